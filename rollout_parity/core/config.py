@@ -1,0 +1,338 @@
+"""``CorrectionConfig``: the shared flags of DESIGN.md, validated at construction.
+
+Every adapter takes exactly these names with exactly this meaning; the names follow
+ms-swift (../shared/seeds/ms-swift-rollout-importance-sampling.txt), the rejection options
+follow verl's ``rollout_rs`` (paper §4.2, ../shared/seeds/tim-diagnosis-paper.txt).
+
+A bad value raises ``ValueError`` naming the flag, at construction, never later in a
+training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SEQUENCE_REDUCTIONS = ("geometric_mean", "product")
+SEQUENCE_MASK_WEIGHTS = ("token", "sequence")
+OLD_LOGPROB_SOURCES = ("recompute", "bypass")
+REJECTION_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+
+ThresholdSpec = Union[float, str, Sequence[float]]
+
+
+@dataclass(frozen=True)
+class RejectionRule:
+    """One parsed rejection option: where it looks, which estimator, which bounds.
+
+    ``level`` is ``token``, ``seq_sum``, ``seq_mean`` or ``seq_max``; ``estimator`` is
+    ``k1``, ``k2`` or ``k3``. K2/K3 keep a statistic ``<= upper``. K1 is signed, so it
+    takes a ratio range and keeps ``log(lower) <= statistic <= log(upper)`` (verl's form).
+    """
+
+    option: str
+    level: str
+    estimator: str
+    upper: float
+    lower: Optional[float] = None
+
+
+def _flag_error(flag: str, message: str) -> ValueError:
+    return ValueError(f"{flag}: {message}")
+
+
+def _parse_k1_range(option: str, spec: Any) -> tuple[float, float]:
+    flag = "rollout_rejection_threshold"
+    if isinstance(spec, str):
+        parts = spec.strip().split("_")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise _flag_error(flag, f"{option} threshold {spec!r} is not 'hi' or 'lo_hi'") from None
+    elif isinstance(spec, (list, tuple)):
+        values = [float(v) for v in spec]
+    else:
+        values = [float(spec)]
+    if len(values) == 1:
+        hi = values[0]
+        if not hi > 0:
+            raise _flag_error(flag, f"{option} threshold must be > 0, got {spec!r}")
+        lo = 1.0 / hi
+        lo, hi = min(lo, hi), max(lo, hi)
+    elif len(values) == 2:
+        lo, hi = values
+    else:
+        raise _flag_error(flag, f"{option} takes 'hi', 'lo_hi' or a pair [lo, hi], got {spec!r}")
+    if not (lo > 0 and hi > 0):
+        raise _flag_error(flag, f"{option} ratio bounds must be > 0, got {spec!r}")
+    if not lo < hi:
+        raise _flag_error(flag, f"{option} needs lo < hi, got {spec!r}")
+    return lo, hi
+
+
+def _parse_upper(option: str, spec: Any) -> float:
+    flag = "rollout_rejection_threshold"
+    if isinstance(spec, (list, tuple)) or (isinstance(spec, str) and "_" in spec):
+        raise _flag_error(flag, f"{option} takes one upper bound, got a range {spec!r}")
+    try:
+        value = float(spec)
+    except (TypeError, ValueError):
+        raise _flag_error(flag, f"{option} threshold {spec!r} is not a number") from None
+    if not value > 0 or math.isnan(value):
+        raise _flag_error(flag, f"{option} threshold must be > 0, got {spec!r}")
+    return value
+
+
+def parse_rejection(options: Sequence[str], thresholds: Any) -> tuple[RejectionRule, ...]:
+    """Parse ``rollout_rejection`` and ``rollout_rejection_threshold`` into rules.
+
+    ``thresholds`` is one value shared by every option or a list with one per option; a
+    K1 option's value is ``hi``, ``"lo_hi"`` or a pair ``[lo, hi]``.
+    """
+    if thresholds is None:
+        raise _flag_error("rollout_rejection_threshold", f"required when rollout_rejection={list(options)}")
+    if isinstance(thresholds, str) and "," in thresholds:
+        thresholds = [t.strip() for t in thresholds.split(",")]
+    per_option: list[Any]
+    if isinstance(thresholds, (list, tuple)):
+        thresholds = list(thresholds)
+        single_pair = (
+            len(options) == 1 and len(thresholds) == 2 and options[0].endswith("k1")
+            and all(isinstance(t, (int, float)) for t in thresholds)
+        )
+        if single_pair:
+            per_option = [thresholds]
+        elif len(thresholds) == 1:
+            per_option = thresholds * len(options)
+        elif len(thresholds) == len(options):
+            per_option = thresholds
+        else:
+            raise _flag_error(
+                "rollout_rejection_threshold",
+                f"got {len(thresholds)} thresholds for {len(options)} options {list(options)}; "
+                "give one shared value or one per option",
+            )
+    else:
+        per_option = [thresholds] * len(options)
+
+    rules = []
+    for option, spec in zip(options, per_option):
+        level, estimator = option.rsplit("_", 1)
+        if estimator == "k1":
+            lo, hi = _parse_k1_range(option, spec)
+            rules.append(RejectionRule(option, level, estimator, upper=hi, lower=lo))
+        else:
+            rules.append(RejectionRule(option, level, estimator, upper=_parse_upper(option, spec)))
+    return tuple(rules)
+
+
+def _configs_dir() -> Path:
+    env = os.environ.get("ROLLOUT_PARITY_CONFIGS")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2] / "configs"
+    if repo.is_dir():
+        return repo
+    return Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """The shared correction flags (DESIGN.md, "The shared flags").
+
+    Notation: ``r_corr,t = π_old^train / π_rollout`` per token. The field docs give each
+    flag's exact meaning; ``compute_correction`` implements it.
+    """
+
+    rollout_importance_sampling_mode: Optional[str] = field(
+        default=None, metadata={"help": "null | token_truncate | token_mask | sequence_truncate | sequence_mask"})
+    rollout_importance_sampling_threshold: float = field(
+        default=2.0, metadata={"help": "upper bound C > 0 of the IS weight"})
+    rollout_importance_sampling_threshold_lower: Optional[float] = field(
+        default=None, metadata={"help": "lower bound (< C) of the IS weight, or null"})
+    rollout_importance_sampling_sequence_reduction: str = field(
+        default="geometric_mean", metadata={"help": "geometric_mean (ms-swift) | product (TRL, verl)"})
+    rollout_importance_sampling_sequence_mask_weight: str = field(
+        default="token", metadata={"help": "weight of kept tokens under sequence_mask: token (r_corr,t) | sequence (rho_seq)"})
+    rollout_rejection: Optional[tuple[str, ...]] = field(
+        default=None, metadata={"help": "null or a list of token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3"})
+    rollout_rejection_threshold: Optional[Any] = field(
+        default=None, metadata={"help": "one value or one per rejection option; K1 takes 'hi', 'lo_hi' or [lo, hi]"})
+    off_policy_sequence_mask_delta: Optional[float] = field(
+        default=None, metadata={"help": "mask a sequence when mean(log pi_behaviour - log pi_theta) > delta and A < 0"})
+    old_logprob_source: str = field(
+        default="recompute", metadata={"help": "recompute (trainer re-evaluates pi_old) | bypass (rollout logprobs are pi_old)"})
+    log_rollout_offpolicy_metrics: bool = field(
+        default=False, metadata={"help": "log the diagnostics without changing the loss"})
+    fp32_lm_head: bool = field(default=False, metadata={"help": "final projection in fp32 on trainer and vLLM"})
+
+    def __post_init__(self) -> None:
+        mode = self.rollout_importance_sampling_mode
+        if mode in ("", "none", "None", "null"):
+            object.__setattr__(self, "rollout_importance_sampling_mode", None)
+            mode = None
+        if mode is not None and mode not in IS_MODES:
+            raise _flag_error("rollout_importance_sampling_mode", f"unknown mode {mode!r}; expected null or one of {IS_MODES}")
+
+        upper = self._number("rollout_importance_sampling_threshold", self.rollout_importance_sampling_threshold)
+        if not upper > 0:
+            raise _flag_error("rollout_importance_sampling_threshold", f"must be > 0, got {upper}")
+        lower = self.rollout_importance_sampling_threshold_lower
+        if lower is not None:
+            lower = self._number("rollout_importance_sampling_threshold_lower", lower)
+            if lower < 0:
+                raise _flag_error("rollout_importance_sampling_threshold_lower", f"must be >= 0 or null, got {lower}")
+            if not lower < upper:
+                raise _flag_error(
+                    "rollout_importance_sampling_threshold_lower",
+                    f"must be < rollout_importance_sampling_threshold ({upper}), got {lower}",
+                )
+        object.__setattr__(self, "rollout_importance_sampling_threshold", upper)
+        object.__setattr__(self, "rollout_importance_sampling_threshold_lower", lower)
+
+        self._choice("rollout_importance_sampling_sequence_reduction", SEQUENCE_REDUCTIONS)
+        self._choice("rollout_importance_sampling_sequence_mask_weight", SEQUENCE_MASK_WEIGHTS)
+        self._choice("old_logprob_source", OLD_LOGPROB_SOURCES)
+
+        rejection = self.rollout_rejection
+        if isinstance(rejection, str):
+            rejection = [r.strip() for r in rejection.split(",") if r.strip()]
+        if rejection is not None:
+            rejection = tuple(str(r) for r in rejection)
+            if not rejection:
+                rejection = None
+        if rejection is not None:
+            unknown = [r for r in rejection if r not in REJECTION_OPTIONS]
+            if unknown:
+                raise _flag_error("rollout_rejection", f"unknown option(s) {unknown}; expected from {REJECTION_OPTIONS}")
+            if len(set(rejection)) != len(rejection):
+                raise _flag_error("rollout_rejection", f"an option appears twice in {list(rejection)}")
+            threshold = self.rollout_rejection_threshold
+            if isinstance(threshold, list):
+                threshold = tuple(tuple(t) if isinstance(t, list) else t for t in threshold)
+                object.__setattr__(self, "rollout_rejection_threshold", threshold)
+            parse_rejection(rejection, threshold)
+        elif self.rollout_rejection_threshold is not None:
+            raise _flag_error("rollout_rejection_threshold", "set but rollout_rejection is null")
+        object.__setattr__(self, "rollout_rejection", rejection)
+
+        delta = self.off_policy_sequence_mask_delta
+        if delta is not None:
+            delta = self._number("off_policy_sequence_mask_delta", delta)
+            if not delta > 0:
+                raise _flag_error("off_policy_sequence_mask_delta", f"must be > 0 or null, got {delta}")
+            object.__setattr__(self, "off_policy_sequence_mask_delta", delta)
+
+        if self.old_logprob_source == "bypass" and mode is not None:
+            raise _flag_error(
+                "rollout_importance_sampling_mode",
+                f"{mode!r} conflicts with old_logprob_source='bypass': pi_old is then pi_rollout, the PPO ratio "
+                "already is pi_theta/pi_rollout and no r_corr exists (an IS weight would count the mismatch twice)",
+            )
+        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head"):
+            if not isinstance(getattr(self, flag), bool):
+                raise _flag_error(flag, f"must be a bool, got {getattr(self, flag)!r}")
+
+    @staticmethod
+    def _number(flag: str, value: Any) -> float:
+        if isinstance(value, bool):
+            raise _flag_error(flag, f"must be a number, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise _flag_error(flag, f"must be a number, got {value!r}") from None
+        if math.isnan(number) or math.isinf(number):
+            raise _flag_error(flag, f"must be finite, got {value!r}")
+        return number
+
+    def _choice(self, flag: str, allowed: Iterable[str]) -> None:
+        value = getattr(self, flag)
+        if value not in allowed:
+            raise _flag_error(flag, f"unknown value {value!r}; expected one of {tuple(allowed)}")
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def rejection_rules(self) -> tuple[RejectionRule, ...]:
+        if self.rollout_rejection is None:
+            return ()
+        return parse_rejection(self.rollout_rejection, self.rollout_rejection_threshold)
+
+    @property
+    def changes_loss(self) -> bool:
+        """True when any flag changes weights or masks (not only diagnostics)."""
+        return (
+            self.rollout_importance_sampling_mode is not None
+            or self.rollout_rejection is not None
+            or self.off_policy_sequence_mask_delta is not None
+        )
+
+    @property
+    def wants_metrics(self) -> bool:
+        """Diagnostics are logged whenever a correction acts or when asked for (ms-swift)."""
+        return self.changes_loss or self.log_rollout_offpolicy_metrics
+
+    # ------------------------------------------------------------------ (de)serialisation
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "CorrectionConfig":
+        """Build from a plain mapping (YAML, OmegaConf, a framework's config block).
+
+        Unknown keys are an error naming them: a misspelt flag must not be dropped.
+        """
+        if data is None:
+            return cls()
+        if hasattr(data, "_metadata") and hasattr(data, "_content"):  # an OmegaConf node
+            from omegaconf import OmegaConf
+
+            data = OmegaConf.to_container(data, resolve=True)
+        data = dict(data)
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown correction flag(s) {unknown}; known flags: {list(cls.field_names())}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if out["rollout_rejection"] is not None:
+            out["rollout_rejection"] = list(out["rollout_rejection"])
+        threshold = out["rollout_rejection_threshold"]
+        if isinstance(threshold, tuple):
+            out["rollout_rejection_threshold"] = [list(t) if isinstance(t, tuple) else t for t in threshold]
+        return out
+
+    def replace(self, **changes: Any) -> "CorrectionConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def available_presets(cls) -> list[str]:
+        directory = _configs_dir() / "presets"
+        return sorted(p.stem for p in directory.glob("*.yaml"))
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "CorrectionConfig":
+        """Load ``configs/presets/<name>.yaml`` through OmegaConf; keyword overrides win."""
+        from omegaconf import OmegaConf
+
+        path = _configs_dir() / "presets" / f"{name}.yaml"
+        if not path.is_file():
+            raise ValueError(f"unknown preset {name!r}; available: {cls.available_presets()}")
+        node = OmegaConf.load(path)
+        data = OmegaConf.to_container(node, resolve=True)
+        if not isinstance(data, dict):
+            raise ValueError(f"preset {name!r} ({path}) is not a mapping")
+        data.pop("description", None)
+        data.update(overrides)
+        return cls.from_dict(data)

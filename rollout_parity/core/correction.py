@@ -1,0 +1,265 @@
+"""``compute_correction``: importance-sampling weights, rejection and off-policy masks.
+
+One vectorised pass over ``(B, T)`` tensors with the response mask; no Python loop over
+sequences. The math is DESIGN.md's, from these sources:
+
+* IS modes and thresholds: ms-swift (../shared/seeds/ms-swift-rollout-importance-sampling.txt),
+  ``w_t = min(r_corr,t, C)`` is TIS, paper eq. 6 (../shared/seeds/tim-diagnosis-paper.txt).
+* Rejection: paper §4.2 and appendix A.4 (eq. 8-11), ``S_seq = Σ_t K(r_corr,t) ≤ τ_seq``,
+  with the K1/K2/K3 estimators and verl's ``rollout_rs`` option names.
+* Off-policy sequence mask: DeepSeek-V3.2 as ms-swift ships it.
+
+Weights are detached: they change the measure, not the objective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .config import CorrectionConfig, RejectionRule
+from .metrics import correction_metrics
+from .ratios import check_shapes, compute_dtype, sanitized_log_ratio, sequence_log_ratio
+
+
+@dataclass
+class CorrectionOutput:
+    """What ``compute_correction`` returns; adapters read ``weights``, ``mask``, ``metrics``.
+
+    ``old_logprobs`` is the π_old the PPO ratio must use: the recomputed trainer logprobs,
+    or the rollout logprobs under ``old_logprob_source='bypass'``.
+    """
+
+    weights: torch.Tensor
+    mask: torch.Tensor
+    metrics: dict[str, float]
+    old_logprobs: Optional[torch.Tensor] = None
+    log_ratio: Optional[torch.Tensor] = None
+    sequence_log_ratio: Optional[torch.Tensor] = None
+    rejected: Optional[torch.Tensor] = None
+    off_policy_masked: Optional[torch.Tensor] = None
+    nonfinite: Optional[torch.Tensor] = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def importance_weights(
+    cfg: CorrectionConfig, log_ratio: torch.Tensor, seq_log_ratio: torch.Tensor, valid_f: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IS weights of the four modes and the tokens they truncated or zeroed.
+
+    ``token_truncate``: ``w_t = min(r_t, C)`` (and ``max(·, lower)`` when a lower bound is set).
+    ``token_mask``: ``w_t = r_t`` inside ``[lower, C]``, else 0.
+    ``sequence_truncate``: ``w = min(ρ_seq, C)`` (and ``max(·, lower)``), broadcast.
+    ``sequence_mask``: 0 on every token of a sequence with ρ_seq outside ``[lower, C]``;
+    kept tokens get ``r_t`` (``sequence_mask_weight='token'``) or ``ρ_seq`` (``'sequence'``).
+    Padding gets weight 0.
+    """
+    mode = cfg.rollout_importance_sampling_mode
+    upper = cfg.rollout_importance_sampling_threshold
+    lower = cfg.rollout_importance_sampling_threshold_lower
+    if mode.startswith("token"):
+        ratio = log_ratio.exp()
+    else:
+        ratio = seq_log_ratio.exp().unsqueeze(-1).expand_as(log_ratio)
+    outside = ratio > upper
+    if lower is not None:
+        outside = outside | (ratio < lower)
+    if mode.endswith("truncate"):
+        weights = ratio.clamp(min=lower, max=upper)
+    elif mode == "token_mask" or cfg.rollout_importance_sampling_sequence_mask_weight == "sequence":
+        weights = ratio.masked_fill(outside, 0.0)
+    else:  # sequence_mask with token weights
+        weights = log_ratio.exp().masked_fill(outside, 0.0)
+    return weights * valid_f, outside & valid_f.bool()
+
+
+def _masked_seq_max(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    filled = values.masked_fill(~valid, float("-inf")).amax(dim=-1)
+    return torch.where(valid.any(dim=-1), filled, torch.zeros_like(filled))
+
+
+def rejection_keep(
+    rules: tuple[RejectionRule, ...], log_ratio: torch.Tensor, valid: torch.Tensor, valid_f: torch.Tensor
+) -> torch.Tensor:
+    """Tokens kept by every rejection rule (rules are ANDed), as a bool ``(B, T)``.
+
+    Per token: ``K1 = −log r``, ``K2 = ½ (log r)²``, ``K3 = r − 1 − log r`` on r_corr.
+    ``seq_sum``/``seq_mean``/``seq_max`` reduce them over each sequence's valid tokens
+    (paper eq. 8: ``S_seq = Σ_t K3``). K2/K3 keep ``S ≤ τ``; K1 keeps
+    ``log lo ≤ S ≤ log hi``.
+    """
+    keep = torch.ones_like(valid)
+    estimators: dict[str, torch.Tensor] = {}
+    counts = valid_f.sum(dim=-1).clamp_min(1.0)
+    for rule in rules:
+        k = estimators.get(rule.estimator)
+        if k is None:
+            if rule.estimator == "k1":
+                k = -log_ratio
+            elif rule.estimator == "k2":
+                k = 0.5 * log_ratio.square()
+            else:
+                k = torch.expm1(log_ratio) - log_ratio
+            k = k * valid_f
+            estimators[rule.estimator] = k
+        if rule.level == "token":
+            stat = k
+        elif rule.level == "seq_sum":
+            stat = k.sum(dim=-1, keepdim=True)
+        elif rule.level == "seq_mean":
+            stat = (k.sum(dim=-1) / counts).unsqueeze(-1)
+        else:
+            stat = _masked_seq_max(k, valid).unsqueeze(-1)
+        if rule.estimator == "k1":
+            import math
+
+            ok = (stat >= math.log(rule.lower)) & (stat <= math.log(rule.upper))
+        else:
+            ok = stat <= rule.upper
+        keep = keep & ok
+    return keep
+
+
+def sequence_advantages(advantages: torch.Tensor, valid_f: torch.Tensor) -> torch.Tensor:
+    """One advantage per sequence: ``(B,)`` as given, or the token-mean of a ``(B, T)`` tensor."""
+    if advantages.dim() == 1:
+        return advantages
+    return (advantages * valid_f).sum(dim=-1) / valid_f.sum(dim=-1).clamp_min(1.0)
+
+
+def compute_correction(
+    cfg: CorrectionConfig,
+    *,
+    old_logprobs: Optional[torch.Tensor] = None,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    response_mask: torch.Tensor,
+    advantages: Optional[torch.Tensor] = None,
+    current_logprobs: Optional[torch.Tensor] = None,
+    process_group: Any = None,
+    with_metrics: Optional[bool] = None,
+) -> CorrectionOutput:
+    """Weights, mask and diagnostics for one batch (DESIGN.md, "The core's public face").
+
+    Args:
+        cfg: the shared flags.
+        old_logprobs: ``(B, T)`` π_old recomputed by the trainer (unused under bypass).
+        rollout_logprobs: ``(B, T)`` the sampler's logprobs (processed, see the parity layer).
+        response_mask: ``(B, T)`` 1 on completion tokens; bool, int or float.
+        advantages: ``(B,)`` or ``(B, T)``; needed by the off-policy mask and the
+            loss-contribution diagnostics.
+        current_logprobs: ``(B, T)`` π_θ; needed by the off-policy mask, by bypass
+            diagnostics and rejection (ratio π_θ/π_rollout, as verl), and by C(r).
+        process_group: a ``torch.distributed`` group: metric sums and counts are
+            all-reduced over it, so diagnostics are global, not per rank.
+        with_metrics: force diagnostics on or off; default ``cfg.wants_metrics``.
+
+    Returns:
+        ``CorrectionOutput`` with ``weights`` (1 where no IS mode is set), ``mask`` (the
+        response mask after rejection and off-policy masking, in its own dtype) and
+        ``metrics`` (``rollout_correction/*`` floats, one host sync).
+    """
+    check_shapes("response_mask", response_mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                 current_logprobs=current_logprobs)
+    if advantages is not None and advantages.dim() == 2:
+        check_shapes("response_mask", response_mask, advantages=advantages)
+    elif advantages is not None and tuple(advantages.shape) != (response_mask.shape[0],):
+        raise ValueError(
+            f"shape mismatch: advantages has shape {tuple(advantages.shape)} but response_mask has shape "
+            f"{tuple(response_mask.shape)}; expected ({response_mask.shape[0]},) or {tuple(response_mask.shape)}"
+        )
+    bypass = cfg.old_logprob_source == "bypass"
+    want_metrics = cfg.wants_metrics if with_metrics is None else with_metrics
+    needs_rollout = cfg.rollout_importance_sampling_mode is not None or cfg.rollout_rejection is not None or want_metrics
+    if rollout_logprobs is None and (needs_rollout or bypass):
+        what = ("old_logprob_source='bypass'" if bypass else
+                f"rollout_importance_sampling_mode={cfg.rollout_importance_sampling_mode!r}, "
+                f"rollout_rejection={cfg.rollout_rejection}, diagnostics={want_metrics}")
+        raise ValueError(f"rollout_logprobs is None, but {what} needs the sampler's logprobs")
+    if bypass:
+        if current_logprobs is None and (cfg.rollout_rejection is not None or want_metrics):
+            raise ValueError(
+                "current_logprobs is None: under old_logprob_source='bypass' rejection and diagnostics use "
+                "pi_theta/pi_rollout (pi_old is pi_rollout), so pass the current policy's logprobs"
+            )
+        base = current_logprobs
+    else:
+        if old_logprobs is None and rollout_logprobs is not None and needs_rollout:
+            raise ValueError("old_logprobs is None, but old_logprob_source='recompute' needs the trainer's pi_old")
+        base = old_logprobs
+
+    dtype = compute_dtype(old_logprobs, rollout_logprobs, current_logprobs)
+    valid = response_mask.bool()
+    valid_f = valid.to(dtype)
+
+    if rollout_logprobs is not None and base is not None:
+        log_ratio, nonfinite = sanitized_log_ratio(base, rollout_logprobs, valid, dtype)
+    else:
+        log_ratio, nonfinite = torch.zeros_like(valid_f), torch.zeros_like(valid)
+    seq_lr = sequence_log_ratio(log_ratio, valid_f, cfg.rollout_importance_sampling_sequence_reduction)
+
+    if cfg.rollout_importance_sampling_mode is not None:
+        weights, clipped = importance_weights(cfg, log_ratio, seq_lr, valid_f)
+    else:
+        weights, clipped = torch.ones_like(valid_f), torch.zeros_like(valid)
+
+    keep = valid
+    rejected = torch.zeros_like(valid)
+    if cfg.rollout_rejection is not None:
+        kept = rejection_keep(cfg.rejection_rules, log_ratio, valid, valid_f)
+        rejected = valid & ~kept
+        keep = keep & kept
+
+    off_policy = torch.zeros(valid.shape[0], dtype=torch.bool, device=valid.device)
+    if cfg.off_policy_sequence_mask_delta is not None:
+        if current_logprobs is None or advantages is None:
+            raise ValueError(
+                "off_policy_sequence_mask_delta needs current_logprobs and advantages "
+                f"(got current_logprobs={'set' if current_logprobs is not None else None}, "
+                f"advantages={'set' if advantages is not None else None})"
+            )
+        behaviour = rollout_logprobs if rollout_logprobs is not None else old_logprobs
+        if behaviour is None:
+            raise ValueError("off_policy_sequence_mask_delta needs rollout_logprobs or old_logprobs")
+        drift, _ = sanitized_log_ratio(behaviour, current_logprobs, valid, dtype)
+        delta = drift.sum(dim=-1) / valid_f.sum(dim=-1).clamp_min(1.0)
+        off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, valid_f) < 0)
+        keep = keep & ~off_policy.unsqueeze(-1)
+
+    if response_mask.dtype == torch.bool:
+        mask = keep
+    else:
+        mask = response_mask * keep.to(response_mask.dtype)
+
+    metrics: dict[str, float] = {}
+    if want_metrics and rollout_logprobs is not None:
+        metrics = correction_metrics(
+            log_ratio=log_ratio,
+            seq_log_ratio=seq_lr,
+            base_logprobs=base,
+            rollout_logprobs=rollout_logprobs,
+            valid=valid,
+            valid_f=valid_f,
+            weights=weights,
+            clipped=clipped,
+            rejected=rejected,
+            off_policy=off_policy,
+            nonfinite=nonfinite,
+            advantages=advantages,
+            current_logprobs=current_logprobs,
+            old_logprobs=rollout_logprobs if bypass else old_logprobs,
+            process_group=process_group,
+        )
+
+    return CorrectionOutput(
+        weights=weights.detach(),
+        mask=mask,
+        metrics=metrics,
+        old_logprobs=rollout_logprobs if bypass else old_logprobs,
+        log_ratio=log_ratio,
+        sequence_log_ratio=seq_lr,
+        rejected=rejected,
+        off_policy_masked=off_policy,
+        nonfinite=nonfinite,
+    )

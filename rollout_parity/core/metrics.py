@@ -1,0 +1,204 @@
+"""Diagnostics under the ``rollout_correction/`` prefix, in one pass and one host sync.
+
+ms-swift's set (../shared/seeds/ms-swift-rollout-importance-sampling.txt): ``kl``,
+``k3_kl``, the perplexities, ``chi2_token``, ``chi2_seq``, ``ess``, ``is_weight_mean``,
+``clipped_frac``. Beyond it: ``delta_abs_mean``/``delta_abs_max`` (paper eq. 1),
+``rejected_token_frac``, ``rejected_seq_frac``, ``off_policy_masked_frac``,
+``nonfinite_frac`` and the zero-centred loss contribution ``C(r) = −(r−1)A`` split by the
+sign of A (paper eq. 5, ../shared/seeds/tim-diagnosis-paper.txt), whose skew warns of
+TIM before KL does.
+
+Every statistic is built from sums, counts, maxima and minima. With a process group
+they are all-reduced (two collectives: SUM and MAX), so a data-parallel run logs the
+metrics of the global batch, equal to one process seeing the concatenated batch.
+
+Definitions (``lr = log r`` sanitised and clamped, see ``ratios.py``; token means are
+over valid tokens; sequence means over sequences with at least one valid token):
+
+* ``kl = mean_t(log π_rollout − log π_train) = mean_t(−lr)``, ``k3_kl = mean_t(r − 1 − lr)``.
+* ``training_log_ppl = mean_i(−mean_t log π_train)``, ``training_ppl = mean_i exp(that)``,
+  the same for ``rollout_*``; ``log_ppl_diff_i = mean_t log π_rollout − mean_t log π_train``
+  with its mean, mean absolute value, max and min; ``ppl_ratio = mean_i exp(log_ppl_diff_i)``.
+  Perplexities use each sequence's tokens where both logprobs are finite.
+* ``chi2_token = mean_t r² − 1``; ``chi2_seq = mean_i ρ_seq² − 1`` with the configured
+  sequence reduction (geometric mean in ms-swift, product in verl).
+* ``is_weight_mean = mean_t w``; ``ess = (Σ w)² / (n Σ w²)`` over valid tokens, with
+  ``w`` the applied IS weights (the raw ``r`` when no IS mode is set): 1 on-policy.
+* ``clipped_frac``: valid tokens whose weight was truncated or zeroed by the IS mode.
+* ``loss_contrib_pos``/``loss_contrib_neg``: ``Σ C(r_ppo^train)`` over tokens with A > 0
+  / A < 0, divided by the valid-token count (so they add to the token-mean); the
+  ``loss_contrib_rollout_*`` pair uses ``r_ppo^rollout = π_θ/π_rollout``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .ratios import LOG_RATIO_BOUND
+
+PREFIX = "rollout_correction/"
+
+_SUM_KEYS = (
+    "n_tok", "n_seq", "n_ppl_seq", "kl", "k3", "train_log_ppl", "train_ppl", "roll_log_ppl", "roll_ppl",
+    "lpd", "lpd_abs", "ppl_ratio", "chi2_tok", "chi2_seq", "w", "w2", "clipped", "delta_abs",
+    "rej_tok", "rej_seq", "off_seq", "nonfinite", "c_pos", "c_neg", "c_roll_pos", "c_roll_neg",
+)
+_MAX_KEYS = ("delta_abs_max", "lpd_max", "neg_lpd_min")
+
+
+def _all_reduce(sums: torch.Tensor, maxes: torch.Tensor, process_group: Any) -> None:
+    if process_group is None:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("process_group given but torch.distributed is not initialised")
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=process_group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=process_group)
+
+
+def correction_metrics(
+    *,
+    log_ratio: torch.Tensor,
+    seq_log_ratio: torch.Tensor,
+    base_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    valid_f: torch.Tensor,
+    weights: torch.Tensor,
+    clipped: torch.Tensor,
+    rejected: torch.Tensor,
+    off_policy: torch.Tensor,
+    nonfinite: torch.Tensor,
+    advantages: Optional[torch.Tensor],
+    current_logprobs: Optional[torch.Tensor],
+    old_logprobs: Optional[torch.Tensor],
+    process_group: Any = None,
+) -> dict[str, float]:
+    dtype = valid_f.dtype
+    zero = valid_f.new_zeros(())
+    seq_valid = valid.any(dim=-1)
+    seq_valid_f = seq_valid.to(dtype)
+
+    ratio = log_ratio.exp()
+    s: dict[str, torch.Tensor] = {
+        "n_tok": valid_f.sum(),
+        "n_seq": seq_valid_f.sum(),
+        "kl": -log_ratio.sum(),  # log_ratio is 0 on padding
+        "k3": ((torch.expm1(log_ratio) - log_ratio) * valid_f).sum(),
+        "chi2_tok": (ratio.square() * valid_f).sum(),
+        "chi2_seq": ((2.0 * seq_log_ratio).clamp(max=2 * LOG_RATIO_BOUND).exp() * seq_valid_f).sum(),
+        "clipped": (clipped & valid).to(dtype).sum(),
+        "delta_abs": log_ratio.abs().sum(),
+        "rej_tok": rejected.to(dtype).sum(),
+        "rej_seq": rejected.any(dim=-1).to(dtype).sum(),
+        "off_seq": (off_policy & seq_valid).to(dtype).sum(),
+        "nonfinite": nonfinite.to(dtype).sum(),
+    }
+    w = weights * valid_f
+    s["w"] = w.sum()
+    s["w2"] = w.square().sum()
+
+    # Perplexities: per sequence, over tokens where both sides are finite.
+    base = base_logprobs.detach().to(dtype)
+    roll = rollout_logprobs.detach().to(dtype)
+    finite_f = (valid & torch.isfinite(base) & torch.isfinite(roll)).to(dtype)
+    n_fin = finite_f.sum(dim=-1)
+    ppl_seq = n_fin > 0
+    ppl_seq_f = ppl_seq.to(dtype)
+    denom = n_fin.clamp_min(1.0)
+    mean_train = torch.where(finite_f.bool(), base, zero).sum(dim=-1) / denom
+    mean_roll = torch.where(finite_f.bool(), roll, zero).sum(dim=-1) / denom
+    lpd = mean_roll - mean_train
+    s["n_ppl_seq"] = ppl_seq_f.sum()
+    s["train_log_ppl"] = (-mean_train * ppl_seq_f).sum()
+    s["train_ppl"] = ((-mean_train).exp() * ppl_seq_f).sum()
+    s["roll_log_ppl"] = (-mean_roll * ppl_seq_f).sum()
+    s["roll_ppl"] = ((-mean_roll).exp() * ppl_seq_f).sum()
+    s["lpd"] = (lpd * ppl_seq_f).sum()
+    s["lpd_abs"] = (lpd.abs() * ppl_seq_f).sum()
+    s["ppl_ratio"] = (lpd.exp() * ppl_seq_f).sum()
+
+    # Zero-centred loss contribution C(r) = -(r - 1) A (paper eq. 5), split by sign of A.
+    for key in ("c_pos", "c_neg", "c_roll_pos", "c_roll_neg"):
+        s[key] = zero
+    if advantages is not None and current_logprobs is not None:
+        adv = advantages.detach().to(dtype)
+        adv = adv.unsqueeze(-1).expand_as(valid_f) if adv.dim() == 1 else adv
+        cur = current_logprobs.detach().to(dtype)
+        for tag, denominator in (("c", old_logprobs), ("c_roll", rollout_logprobs)):
+            if denominator is None:
+                continue
+            lr_ppo = (cur - denominator.detach().to(dtype)).nan_to_num(0.0, 0.0, 0.0)
+            lr_ppo = lr_ppo.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+            contrib = -torch.expm1(lr_ppo) * adv * valid_f
+            s[f"{tag}_pos"] = torch.where(adv > 0, contrib, zero).sum()
+            s[f"{tag}_neg"] = torch.where(adv < 0, contrib, zero).sum()
+
+    neg_inf = torch.full((), float("-inf"), dtype=dtype, device=valid_f.device)
+    m = {
+        "delta_abs_max": torch.where(valid, log_ratio.abs(), neg_inf).amax() if valid.numel() else neg_inf,
+        "lpd_max": torch.where(ppl_seq, lpd, neg_inf).amax() if lpd.numel() else neg_inf,
+        "neg_lpd_min": torch.where(ppl_seq, -lpd, neg_inf).amax() if lpd.numel() else neg_inf,
+    }
+
+    sums = torch.stack([s[k].to(dtype) for k in _SUM_KEYS])
+    maxes = torch.stack([m[k].to(dtype) for k in _MAX_KEYS])
+    _all_reduce(sums, maxes, process_group)
+    values = torch.cat([sums, maxes]).tolist()  # the one host sync
+    g = dict(zip(_SUM_KEYS + _MAX_KEYS, values))
+    return _finalise(g)
+
+
+def _finalise(g: dict[str, float]) -> dict[str, float]:
+    n_tok, n_seq, n_ppl = g["n_tok"], g["n_seq"], g["n_ppl_seq"]
+    tok = (lambda x: x / n_tok) if n_tok > 0 else (lambda x: 0.0)
+    seq = (lambda x: x / n_seq) if n_seq > 0 else (lambda x: 0.0)
+    ppl = (lambda x: x / n_ppl) if n_ppl > 0 else (lambda x: 0.0)
+    finite_max = lambda x: x if x != float("-inf") else 0.0  # noqa: E731
+    if g["w2"] > 0:
+        ess = g["w"] ** 2 / (n_tok * g["w2"])
+    else:
+        ess = 1.0 if n_tok == 0 else 0.0
+    out = {
+        "kl": tok(g["kl"]),
+        "k3_kl": tok(g["k3"]),
+        "training_ppl": ppl(g["train_ppl"]) if n_ppl > 0 else 1.0,
+        "training_log_ppl": ppl(g["train_log_ppl"]),
+        "rollout_ppl": ppl(g["roll_ppl"]) if n_ppl > 0 else 1.0,
+        "rollout_log_ppl": ppl(g["roll_log_ppl"]),
+        "log_ppl_diff": ppl(g["lpd"]),
+        "log_ppl_abs_diff": ppl(g["lpd_abs"]),
+        "log_ppl_diff_max": finite_max(g["lpd_max"]),
+        "log_ppl_diff_min": -g["neg_lpd_min"] if g["neg_lpd_min"] != float("-inf") else 0.0,
+        "ppl_ratio": ppl(g["ppl_ratio"]) if n_ppl > 0 else 1.0,
+        "chi2_token": tok(g["chi2_tok"]) - 1.0 if n_tok > 0 else 0.0,
+        "chi2_seq": seq(g["chi2_seq"]) - 1.0 if n_seq > 0 else 0.0,
+        "ess": ess,
+        "is_weight_mean": tok(g["w"]) if n_tok > 0 else 1.0,
+        "clipped_frac": tok(g["clipped"]),
+        "delta_abs_mean": tok(g["delta_abs"]),
+        "delta_abs_max": finite_max(g["delta_abs_max"]),
+        "rejected_token_frac": tok(g["rej_tok"]),
+        "rejected_seq_frac": seq(g["rej_seq"]),
+        "off_policy_masked_frac": seq(g["off_seq"]),
+        "nonfinite_frac": tok(g["nonfinite"]),
+        "loss_contrib_pos": tok(g["c_pos"]),
+        "loss_contrib_neg": tok(g["c_neg"]),
+        "loss_contrib_rollout_pos": tok(g["c_roll_pos"]),
+        "loss_contrib_rollout_neg": tok(g["c_roll_neg"]),
+    }
+    return {PREFIX + k: float(v) for k, v in out.items()}
+
+
+METRIC_NAMES = tuple(
+    PREFIX + k for k in (
+        "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+        "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq", "ess",
+        "is_weight_mean", "clipped_frac", "delta_abs_mean", "delta_abs_max", "rejected_token_frac",
+        "rejected_seq_frac", "off_policy_masked_frac", "nonfinite_frac", "loss_contrib_pos", "loss_contrib_neg",
+        "loss_contrib_rollout_pos", "loss_contrib_rollout_neg",
+    )
+)
