@@ -1,0 +1,208 @@
+"""Token logprobs (and entropy) through an fp32 output head, chunked, without N x V logits.
+
+The trainer side of "fp32 lm_head" (../shared/seeds/pipelinerl-vllm-v1-parity.txt, "The
+Remaining Gap: fp32 lm_head"; MiniMax-M1 and ScaleRL compute the head in fp32): for hidden
+states h (N, H), head weight W (V, H), bias b and temperature T,
+
+    z_i      = (W h_i + b) / T                                  (fp32 logits, one row per token)
+    lse_i    = log sum_v exp(z_iv)
+    logp_i   = z_{i, y_i} - lse_i                               (token logprob)
+    H_i      = -sum_v p_iv log p_iv,   p_iv = exp(z_iv - lse_i) (entropy)
+
+Only a chunk of rows of z exists at any time.  The backward recomputes each chunk's logits
+once (activation recomputation) and uses
+
+    dL/dz_iv = g_i (1[v = y_i] - p_iv) - e_i p_iv (log p_iv + H_i)
+
+(g = upstream grad of logp, e = upstream grad of H), then dL/dh = (dL/dz / T) W and
+dL/dW = sum_i (dL/dz_i / T) h_i^T, accumulated chunk by chunk.  Memory beyond inputs and
+gradients: one (chunk, V) buffer reused for every chunk plus a scratch of 1/8 of it, and
+per-token vectors.  Inputs of lower precision are upcast per chunk (the weight once, a
+(V, H) fp32 copy when it is not fp32 already); float64 inputs are kept in float64 (gradcheck).
+
+Under DeepSpeed ZeRO-3 pass the gathered weight (``deepspeed.zero.GatheredParameters``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["chunked_fp32_logprobs", "DEFAULT_CHUNK_SIZE"]
+
+DEFAULT_CHUNK_SIZE = 1024
+_SUBBLOCKS = 8  # elementwise passes run on 1/_SUBBLOCKS of a chunk at a time
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    if b is None:
+        torch.mm(h, w.t(), out=out)
+    else:
+        torch.addmm(b, h, w.t(), out=out)
+    return out
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, token_ids, chunk_size, inv_temp, want_entropy):
+        cdtype = _compute_dtype(hidden, weight, bias)
+        w = weight.to(cdtype)
+        b = None if bias is None else bias.to(cdtype) * inv_temp
+        n, vocab = hidden.shape[0], w.shape[0]
+        dev = hidden.device
+        logp = torch.empty(n, dtype=cdtype, device=dev)
+        lse = torch.empty(n, dtype=cdtype, device=dev)
+        ent = torch.empty(n, dtype=cdtype, device=dev) if want_entropy else None
+        rows = min(chunk_size, max(n, 1))
+        buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
+        sub = max(1, -(-rows // _SUBBLOCKS))
+        scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if want_entropy else None
+
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            h = hidden[s:e].to(cdtype)
+            if inv_temp != 1.0:
+                h = h * inv_temp
+            z = _logits_into(buf[: e - s], h, w, b)
+            logp[s:e] = z.gather(1, token_ids[s:e, None]).squeeze(1)
+            for r0 in range(0, e - s, sub):
+                r1 = min(r0 + sub, e - s)
+                zr = z[r0:r1]
+                lse_r = torch.logsumexp(zr, dim=1)  # its temporary is one sub-block
+                lse[s + r0 : s + r1] = lse_r
+                if want_entropy:
+                    p = torch.sub(zr, lse_r[:, None], out=scratch[: r1 - r0]).exp_()
+                    ent[s + r0 : s + r1] = p.xlogy_(p).sum(1).neg_()
+        logp.sub_(lse)
+
+        ctx.save_for_backward(hidden, weight, bias, token_ids, lse, ent)
+        ctx.chunk_size, ctx.inv_temp, ctx.cdtype = chunk_size, inv_temp, cdtype
+        if want_entropy:
+            return logp, ent
+        return logp, None
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, token_ids, lse, ent = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        cdtype, inv_temp = ctx.cdtype, ctx.inv_temp
+        w = weight.to(cdtype)
+        b = None if bias is None else bias.to(cdtype) * inv_temp
+        n, vocab = hidden.shape[0], w.shape[0]
+        dev = hidden.device
+        g_logp = (
+            torch.zeros(n, dtype=cdtype, device=dev) if g_logp is None else g_logp.to(cdtype)
+        ) * inv_temp  # d/dh, d/dW pick up 1/T once: fold it into the row weights
+        use_ent = g_ent is not None and ent is not None
+        g_ent = g_ent.to(cdtype) * inv_temp if use_ent else None
+
+        grad_h = torch.empty(hidden.shape, dtype=cdtype, device=dev) if need_h else None
+        grad_w = torch.zeros(vocab, w.shape[1], dtype=cdtype, device=dev) if need_w else None
+        grad_b = torch.zeros(vocab, dtype=cdtype, device=dev) if need_b else None
+        rows = min(ctx.chunk_size, max(n, 1))
+        buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
+        sub = max(1, -(-rows // _SUBBLOCKS))
+        scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if use_ent else None
+
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            h = hidden[s:e].to(cdtype)
+            hs = h * inv_temp if inv_temp != 1.0 else h
+            z = _logits_into(buf[: e - s], hs, w, b)
+            for r0 in range(0, e - s, sub):
+                r1 = min(r0 + sub, e - s)
+                zr = z[r0:r1]
+                gl = g_logp[s + r0 : s + r1, None]
+                zr.sub_(lse[s + r0 : s + r1, None])  # log p
+                if use_ent:
+                    # dz = -p (g + e (log p + H))
+                    p = torch.exp(zr, out=scratch[: r1 - r0])
+                    ge = g_ent[s + r0 : s + r1, None]
+                    zr.add_(ent[s + r0 : s + r1, None]).mul_(ge).add_(gl).mul_(p).neg_()
+                else:
+                    zr.exp_().mul_(gl.neg())  # dz = -g p
+            rows_idx = torch.arange(e - s, device=dev)
+            z.index_put_((rows_idx, token_ids[s:e]), g_logp[s:e], accumulate=True)  # + g 1[v=y]
+            if need_h:
+                torch.mm(z, w, out=grad_h[s:e])
+            if need_w:
+                grad_w.addmm_(z.t(), h)
+            if need_b:
+                grad_b.add_(z.sum(0))
+
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_fp32_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+):
+    """Per-token logprobs of ``token_ids`` (and entropies) under the fp32 head ``(weight, bias)``.
+
+    Args:
+        hidden: (..., H) final hidden states (any float dtype; upcast to fp32 chunk by chunk).
+        weight: (V, H) head weight (``lm_head.weight``, or the tied embedding matrix).
+        token_ids: (...) integer ids in [0, V), the token each position predicts.
+        bias: optional (V,) head bias.
+        chunk_size: rows of logits materialised at once (one (chunk_size, V) buffer).
+        temperature: logits are divided by it (as the sampler does), > 0.
+        return_entropy: also return the entropy of each row's distribution.
+
+    Returns:
+        ``logprobs`` of shape (...) in fp32 (float64 if an input is float64), or
+        ``(logprobs, entropy)`` when ``return_entropy``.  Differentiable w.r.t. hidden,
+        weight and bias, with a backward that recomputes each chunk's logits once.
+    """
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden (..., H) and weight (V, H) disagree: hidden {tuple(hidden.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if tuple(hidden.shape[:-1]) != tuple(token_ids.shape):
+        raise ValueError(
+            f"token_ids shape {tuple(token_ids.shape)} must equal hidden.shape[:-1] "
+            f"(hidden {tuple(hidden.shape)})"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias shape {tuple(bias.shape)} must be ({weight.shape[0]},)")
+    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    vocab = weight.shape[0]
+    ids = token_ids.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"token_ids must lie in [0, {vocab}) (weight {tuple(weight.shape)}), "
+            f"got range [{int(ids.min())}, {int(ids.max())}]"
+        )
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, ent = _ChunkedLogprobs.apply(
+        flat, weight, bias, ids, chunk_size, 1.0 / float(temperature), bool(return_entropy)
+    )
+    logp = logp.reshape(token_ids.shape)
+    if return_entropy:
+        return logp, ent.reshape(token_ids.shape)
+    return logp
