@@ -171,7 +171,11 @@ def compute_correction(
         )
     bypass = cfg.old_logprob_source == "bypass"
     want_metrics = cfg.wants_metrics if with_metrics is None else with_metrics
-    needs_rollout = cfg.rollout_importance_sampling_mode is not None or cfg.rollout_rejection is not None or want_metrics
+    # Diagnostics implied only by the off-policy mask do not need rollout logprobs (that
+    # mask falls back to pi_old); asked-for diagnostics do.
+    asked_metrics = cfg.log_rollout_offpolicy_metrics if with_metrics is None else with_metrics
+    needs_rollout = (cfg.rollout_importance_sampling_mode is not None or cfg.rollout_rejection is not None
+                     or asked_metrics)
     if rollout_logprobs is None and (needs_rollout or bypass):
         what = ("old_logprob_source='bypass'" if bypass else
                 f"rollout_importance_sampling_mode={cfg.rollout_importance_sampling_mode!r}, "
@@ -233,7 +237,10 @@ def compute_correction(
         mask = response_mask * keep.to(response_mask.dtype)
 
     metrics: dict[str, float] = {}
-    if want_metrics and rollout_logprobs is not None:
+    if want_metrics and rollout_logprobs is None:
+        frac = (off_policy & valid.any(dim=-1)).sum() / valid.any(dim=-1).sum().clamp_min(1)
+        metrics = {"rollout_correction/off_policy_masked_frac": float(frac)}
+    elif want_metrics:
         metrics = correction_metrics(
             log_ratio=log_ratio,
             seq_log_ratio=seq_lr,

@@ -1,0 +1,127 @@
+"""CorrectionConfig: every DESIGN.md flag under its exact name, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollout_parity import CorrectionConfig
+
+DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
+
+
+def design_flag_names():
+    text = DESIGN.read_text() if DESIGN.exists() else ""
+    table = text.split("## The shared flags", 1)[-1].split("Notation:", 1)[0]
+    return re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
+
+
+def test_every_design_flag_exists_with_its_default():
+    names = design_flag_names()
+    if not names:
+        pytest.skip("shared/DESIGN.md is not beside the checkout")
+    fields = {f.name: f.default for f in dataclasses.fields(CorrectionConfig)}
+    assert set(names) == set(fields), "CorrectionConfig and DESIGN.md's flag table disagree"
+    cfg = CorrectionConfig()
+    assert cfg.rollout_importance_sampling_mode is None
+    assert cfg.rollout_importance_sampling_threshold == 2.0
+    assert cfg.rollout_importance_sampling_threshold_lower is None
+    assert cfg.rollout_importance_sampling_sequence_reduction == "geometric_mean"
+    assert cfg.rollout_importance_sampling_sequence_mask_weight == "token"
+    assert cfg.rollout_rejection is None and cfg.off_policy_sequence_mask_delta is None
+    assert cfg.old_logprob_source == "recompute"
+    assert cfg.log_rollout_offpolicy_metrics is False and cfg.fp32_lm_head is False
+
+
+@pytest.mark.parametrize("flags, flag_named", [
+    (dict(rollout_importance_sampling_mode="token_clip"), "rollout_importance_sampling_mode"),
+    (dict(rollout_importance_sampling_threshold=0.0), "rollout_importance_sampling_threshold"),
+    (dict(rollout_importance_sampling_threshold=-1.0), "rollout_importance_sampling_threshold"),
+    (dict(rollout_importance_sampling_threshold=float("nan")), "rollout_importance_sampling_threshold"),
+    (dict(rollout_importance_sampling_threshold_lower=2.0), "rollout_importance_sampling_threshold_lower"),
+    (dict(rollout_importance_sampling_threshold_lower=3.0), "rollout_importance_sampling_threshold_lower"),
+    (dict(rollout_importance_sampling_threshold_lower=-0.1), "rollout_importance_sampling_threshold_lower"),
+    (dict(rollout_importance_sampling_sequence_reduction="mean"), "rollout_importance_sampling_sequence_reduction"),
+    (dict(rollout_importance_sampling_sequence_mask_weight="seq"), "rollout_importance_sampling_sequence_mask_weight"),
+    (dict(rollout_rejection=["seq_max_k1"], rollout_rejection_threshold=2.0), "rollout_rejection"),
+    (dict(rollout_rejection=["token_k3", "token_k3"], rollout_rejection_threshold=1.0), "rollout_rejection"),
+    (dict(rollout_rejection=["token_k3"]), "rollout_rejection_threshold"),
+    (dict(rollout_rejection=["token_k3"], rollout_rejection_threshold=0.0), "rollout_rejection_threshold"),
+    (dict(rollout_rejection=["token_k3"], rollout_rejection_threshold="0.1_0.2"), "rollout_rejection_threshold"),
+    (dict(rollout_rejection=["token_k1"], rollout_rejection_threshold="2_1"), "rollout_rejection_threshold"),
+    (dict(rollout_rejection=["token_k1"], rollout_rejection_threshold="a_b"), "rollout_rejection_threshold"),
+    (dict(rollout_rejection=["token_k2", "seq_sum_k3"], rollout_rejection_threshold=[1.0, 2.0, 3.0]),
+     "rollout_rejection_threshold"),
+    (dict(rollout_rejection_threshold=0.1), "rollout_rejection_threshold"),
+    (dict(off_policy_sequence_mask_delta=0.0), "off_policy_sequence_mask_delta"),
+    (dict(old_logprob_source="cache"), "old_logprob_source"),
+    (dict(old_logprob_source="bypass", rollout_importance_sampling_mode="token_truncate"),
+     "rollout_importance_sampling_mode"),
+    (dict(log_rollout_offpolicy_metrics="yes"), "log_rollout_offpolicy_metrics"),
+    (dict(fp32_lm_head=1), "fp32_lm_head"),
+])
+def test_bad_flags_raise_naming_the_flag(flags, flag_named):
+    with pytest.raises(ValueError, match=re.escape(flag_named)):
+        CorrectionConfig(**flags)
+
+
+def test_unknown_keys_are_rejected_not_dropped():
+    with pytest.raises(ValueError, match="rollout_importance_sampling_treshold"):
+        CorrectionConfig.from_dict({"rollout_importance_sampling_treshold": 2.0})
+
+
+def test_rejection_threshold_forms():
+    cfg = CorrectionConfig(rollout_rejection="token_k1, seq_sum_k3", rollout_rejection_threshold="0.5_2,0.001")
+    rules = cfg.rejection_rules
+    assert [r.option for r in rules] == ["token_k1", "seq_sum_k3"]
+    assert (rules[0].lower, rules[0].upper) == (0.5, 2.0)
+    assert rules[1].upper == 0.001 and rules[1].lower is None
+    one = CorrectionConfig(rollout_rejection=["seq_mean_k1"], rollout_rejection_threshold=4.0).rejection_rules[0]
+    assert (one.lower, one.upper) == (0.25, 4.0)
+    pair = CorrectionConfig(rollout_rejection=["token_k1"], rollout_rejection_threshold=[0.8, 1.25]).rejection_rules[0]
+    assert (pair.lower, pair.upper) == (0.8, 1.25)
+    shared = CorrectionConfig(rollout_rejection=["token_k2", "token_k3"], rollout_rejection_threshold=0.3)
+    assert [r.upper for r in shared.rejection_rules] == [0.3, 0.3]
+
+
+@pytest.mark.parametrize("name", CorrectionConfig.available_presets())
+def test_presets_round_trip(name):
+    cfg = CorrectionConfig.preset(name)
+    again = CorrectionConfig.from_dict(cfg.to_dict())
+    assert again == cfg
+    # to_dict is plain YAML: it survives a dump/load.
+    assert CorrectionConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
+
+
+def test_required_presets_and_their_meaning():
+    assert {"tis_srs_k3", "ms_swift_default", "trl_default", "verl_decoupled_token_is", "icepop"} <= set(
+        CorrectionConfig.available_presets())
+    best = CorrectionConfig.preset("tis_srs_k3")
+    assert best.rollout_importance_sampling_mode == "token_truncate"
+    assert best.rollout_importance_sampling_threshold == 2.0
+    assert best.rollout_rejection == ("seq_sum_k3",) and best.rollout_rejection_threshold == 0.001
+    trl = CorrectionConfig.preset("trl_default")
+    assert (trl.rollout_importance_sampling_mode, trl.rollout_importance_sampling_sequence_reduction,
+            trl.rollout_importance_sampling_threshold) == ("sequence_mask", "product", 3.0)
+    assert CorrectionConfig.preset("tis_srs_k3", rollout_importance_sampling_threshold=3.0
+                                   ).rollout_importance_sampling_threshold == 3.0
+    with pytest.raises(ValueError, match="unknown preset"):
+        CorrectionConfig.preset("nope")
+
+
+def test_from_omegaconf_node():
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"rollout_importance_sampling_mode": "token_mask",
+                             "rollout_rejection": ["token_k3"], "rollout_rejection_threshold": 0.5})
+    cfg = CorrectionConfig.from_dict(node)
+    assert cfg.rollout_rejection == ("token_k3",) and cfg.rollout_importance_sampling_mode == "token_mask"
+
+
+def test_null_spellings_of_mode():
+    for spelling in (None, "none", "null", ""):
+        assert CorrectionConfig(rollout_importance_sampling_mode=spelling).rollout_importance_sampling_mode is None

@@ -1,0 +1,224 @@
+"""compute_correction and policy_loss against the naive per-token reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rollout_parity import CorrectionConfig, compute_correction, policy_loss
+
+from .naive_reference import naive_correction, naive_metrics, naive_ppo_loss
+
+MODES = [None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+def make_batch(seed=0, B=6, T=9, spread=0.3, with_bad=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    old = -torch.rand(B, T, generator=g) * 2 - 0.05
+    rollout = old + torch.randn(B, T, generator=g) * spread
+    current = old + torch.randn(B, T, generator=g) * 0.1
+    adv = torch.randn(B, generator=g)
+    if with_bad:
+        rollout[0, 1] = float("nan")
+        rollout[0, 3] = float("-inf")
+        old[0, 5] = float("-inf")
+    return old, rollout, current, mask, adv
+
+
+def as_lists(*tensors):
+    return [t.tolist() for t in tensors]
+
+
+CONFIGS = []
+for mode, lower, reduction, seq_w in itertools.product(
+        MODES, [None, 0.8], ["geometric_mean", "product"], ["token", "sequence"]):
+    if mode is None and (lower is not None or seq_w == "sequence"):
+        continue
+    CONFIGS.append(dict(rollout_importance_sampling_mode=mode, rollout_importance_sampling_threshold=1.3,
+                        rollout_importance_sampling_threshold_lower=lower,
+                        rollout_importance_sampling_sequence_reduction=reduction,
+                        rollout_importance_sampling_sequence_mask_weight=seq_w))
+REJECTIONS = [
+    dict(rollout_rejection=["token_k1"], rollout_rejection_threshold=1.3),
+    dict(rollout_rejection=["token_k2", "token_k3"], rollout_rejection_threshold=[0.05, 0.04]),
+    dict(rollout_rejection=["seq_sum_k1"], rollout_rejection_threshold="0.7_1.5"),
+    dict(rollout_rejection=["seq_sum_k2", "seq_sum_k3"], rollout_rejection_threshold=0.1),
+    dict(rollout_rejection=["seq_mean_k1", "seq_mean_k3"], rollout_rejection_threshold=[[0.9, 1.2], 0.02]),
+    dict(rollout_rejection=["seq_mean_k2"], rollout_rejection_threshold=0.02),
+    dict(rollout_rejection=["seq_max_k2", "seq_max_k3"], rollout_rejection_threshold=[0.1, 0.2]),
+    dict(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_sum_k3"],
+         rollout_rejection_threshold=0.3),
+]
+
+
+@pytest.mark.parametrize("flags", CONFIGS + REJECTIONS)
+@pytest.mark.parametrize("with_bad", [False, True])
+def test_weights_and_mask_match_naive(flags, with_bad):
+    cfg = CorrectionConfig(**flags)
+    old, rollout, current, mask, adv = make_batch(seed=hash(str(flags)) % 1000, with_bad=with_bad)
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    w_ref, keep_ref = naive_correction(cfg, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
+    torch.testing.assert_close(out.weights, torch.tensor(w_ref), rtol=1e-5, atol=1e-6)
+    assert out.mask.tolist() == [[float(k) for k in row] for row in keep_ref]
+    assert not out.weights.requires_grad
+
+
+@pytest.mark.parametrize("delta", [0.01, 0.05])
+def test_off_policy_sequence_mask_matches_naive(delta):
+    cfg = CorrectionConfig(off_policy_sequence_mask_delta=delta)
+    old, rollout, current, mask, adv = make_batch(seed=3, spread=0.1)
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    _, keep_ref = naive_correction(cfg, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
+    assert out.mask.tolist() == [[float(k) for k in row] for row in keep_ref]
+    # It only ever masks negative-advantage sequences.
+    masked_seqs = out.off_policy_masked.nonzero().flatten().tolist()
+    assert all(adv[i] < 0 for i in masked_seqs)
+
+
+def test_off_policy_mask_falls_back_to_old_without_rollout():
+    cfg = CorrectionConfig(off_policy_sequence_mask_delta=0.01)
+    old, _, current, mask, _ = make_batch(seed=4)
+    adv = -torch.ones(old.shape[0])
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=None, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    drift = ((old - current) * mask).sum(-1) / mask.sum(-1)
+    assert out.off_policy_masked.tolist() == (drift > 0.01).tolist()
+
+
+def test_token_advantages_are_averaged_per_sequence():
+    cfg = CorrectionConfig(off_policy_sequence_mask_delta=0.01)
+    old, rollout, current, mask, adv = make_batch(seed=5)
+    out_seq = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                                 advantages=adv, current_logprobs=current)
+    out_tok = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                                 advantages=adv[:, None].expand_as(old).clone(), current_logprobs=current)
+    assert torch.equal(out_seq.mask, out_tok.mask)
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+@pytest.mark.parametrize("reduction", ["geometric_mean", "product"])
+def test_metrics_match_naive(mode, reduction):
+    cfg = CorrectionConfig(rollout_importance_sampling_mode=mode, rollout_importance_sampling_threshold=1.2,
+                           rollout_importance_sampling_sequence_reduction=reduction)
+    old, rollout, current, mask, adv = make_batch(seed=11, spread=0.2)
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
+    ref = naive_metrics(cfg, *as_lists(old, rollout, mask), out.weights.tolist())
+    for key, value in ref.items():
+        assert out.metrics[f"rollout_correction/{key}"] == pytest.approx(value, rel=2e-5, abs=2e-6), key
+
+
+def test_fraction_metrics_count_what_they_say():
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.1,
+                           rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02)
+    old, rollout, current, mask, adv = make_batch(seed=12, spread=0.3, with_bad=True)
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    valid = mask.bool()
+    n = valid.sum().item()
+    ratio = out.log_ratio.exp()
+    assert out.metrics["rollout_correction/clipped_frac"] == pytest.approx(((ratio > 1.1) & valid).sum().item() / n)
+    assert out.metrics["rollout_correction/rejected_token_frac"] == pytest.approx(
+        ((out.mask == 0) & valid).sum().item() / n)
+    assert out.metrics["rollout_correction/rejected_seq_frac"] == pytest.approx(
+        ((out.mask == 0) & valid).any(-1).float().mean().item())
+    assert out.metrics["rollout_correction/nonfinite_frac"] == pytest.approx(3 / n)
+
+
+def test_loss_contribution_split_by_advantage_sign():
+    cfg = CorrectionConfig(log_rollout_offpolicy_metrics=True)
+    old, rollout, current, mask, adv = make_batch(seed=13)
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    n = mask.sum()
+    c = -(torch.exp(current - old) - 1) * adv[:, None] * mask
+    assert out.metrics["rollout_correction/loss_contrib_pos"] == pytest.approx(
+        (c * (adv[:, None] > 0)).sum().item() / n.item(), rel=1e-5)
+    assert out.metrics["rollout_correction/loss_contrib_neg"] == pytest.approx(
+        (c * (adv[:, None] < 0)).sum().item() / n.item(), rel=1e-5)
+    c_roll = -(torch.exp(current - rollout) - 1) * adv[:, None] * mask
+    assert out.metrics["rollout_correction/loss_contrib_rollout_pos"] + out.metrics[
+        "rollout_correction/loss_contrib_rollout_neg"] == pytest.approx(c_roll.sum().item() / n.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("clip_c", [None, 3.0])
+@pytest.mark.parametrize("flags", [CONFIGS[1], CONFIGS[7], REJECTIONS[-1]])
+def test_policy_loss_matches_naive(agg, clip_c, flags):
+    cfg = CorrectionConfig(**flags)
+    old, rollout, current, mask, adv = make_batch(seed=21, spread=0.15)
+    current = (old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.4).requires_grad_()
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    loss, metrics = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out,
+                                clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_c, loss_agg_mode=agg)
+    w = out.weights.tolist() if cfg.rollout_importance_sampling_mode else [[1.0] * old.shape[1]] * old.shape[0]
+    keep = out.mask.bool().tolist()
+    ref = naive_ppo_loss(current.tolist(), old.tolist(), adv.tolist(), w, keep, 0.2, 0.28, clip_c, agg)
+    assert loss.item() == pytest.approx(ref, rel=1e-5, abs=1e-7)
+    loss.backward()
+    assert torch.isfinite(current.grad).all()
+    assert (current.grad[~out.mask.bool()] == 0).all()
+    assert 0.0 <= metrics["policy/pg_clipfrac"] <= 1.0
+
+
+def test_gradient_matches_autograd_of_naive_formula():
+    """The weights scale the gradient of each token's surrogate and carry none themselves."""
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2)
+    old, rollout, _, mask, adv = make_batch(seed=8)
+    current = old.clone().requires_grad_()
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
+    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
+    loss.backward()
+    # At current == old the ratio is 1 (no clipping), so d loss / d logp_t = -A w_t / N.
+    expected = -adv[:, None] * out.weights * mask / mask.sum()
+    torch.testing.assert_close(current.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_bypass_uses_rollout_as_old_and_current_for_rejection():
+    cfg = CorrectionConfig(old_logprob_source="bypass", rollout_rejection=["token_k3"], rollout_rejection_threshold=0.01)
+    old, rollout, current, mask, adv = make_batch(seed=9)
+    out = compute_correction(cfg, old_logprobs=None, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    assert out.old_logprobs is rollout
+    lr = (current - rollout)
+    k3 = lr.exp() - 1 - lr
+    assert out.mask.bool().tolist() == ((k3 <= 0.01) & mask.bool()).tolist()
+    loss, _ = policy_loss(cfg, current_logprobs=current, advantages=adv, correction=out)
+    ref, _ = policy_loss(CorrectionConfig(), current_logprobs=current, old_logprobs=rollout, advantages=adv,
+                         response_mask=out.mask)
+    assert loss.item() == pytest.approx(ref.item())
+
+
+def test_no_mode_means_unit_weights_and_unchanged_mask():
+    cfg = CorrectionConfig()
+    old, rollout, current, mask, adv = make_batch(seed=10)
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
+    assert torch.equal(out.weights, torch.ones_like(old))
+    assert torch.equal(out.mask, mask)
+    assert out.metrics == {}
+
+
+def test_mask_dtype_is_preserved():
+    cfg = CorrectionConfig(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.01)
+    old, rollout, current, mask, adv = make_batch(seed=1)
+    for m in (mask.bool(), mask.long(), mask.to(torch.bfloat16)):
+        out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=m)
+        assert out.mask.dtype == m.dtype
+
+
+def test_bf16_inputs_are_upcast():
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate")
+    old, rollout, current, mask, adv = make_batch(seed=2)
+    out16 = compute_correction(cfg, old_logprobs=old.bfloat16(), rollout_logprobs=rollout.bfloat16(),
+                               response_mask=mask)
+    out32 = compute_correction(cfg, old_logprobs=old.bfloat16().float(), rollout_logprobs=rollout.bfloat16().float(),
+                               response_mask=mask)
+    assert out16.weights.dtype == torch.float32
+    torch.testing.assert_close(out16.weights, out32.weights)
