@@ -1,0 +1,199 @@
+"""Anchor semantics: where the modes overlap, the core equals verl 0.9.1's own rollout correction.
+
+verl's real ``rollout_corr_helper`` runs on CPU on the same batch as the core; weights,
+masks and the shared metrics must agree to 1e-6 in fp32 (issue 2, item 7(c); issue 5).
+The batch is finite and has no empty row: on NaN/inf verl has no neutral handling and its
+per-sequence perplexities count empty rows, both intended differences (docs/verl.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from verl import DataProto  # noqa: E402
+from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
+
+from rollout_parity import CorrectionConfig, compute_correction  # noqa: E402
+from rollout_parity.adapters import verl as adapter  # noqa: E402
+
+ATOL = 1e-6
+
+# our metric name -> verl's (both after their prefixes)
+SHARED_METRICS = {
+    "kl": "kl", "k3_kl": "k3_kl", "training_ppl": "training_ppl", "training_log_ppl": "training_log_ppl",
+    "rollout_ppl": "rollout_ppl", "rollout_log_ppl": "rollout_log_ppl", "log_ppl_diff": "log_ppl_diff",
+    "log_ppl_abs_diff": "log_ppl_abs_diff", "log_ppl_diff_max": "log_ppl_diff_max",
+    "log_ppl_diff_min": "log_ppl_diff_min", "ppl_ratio": "ppl_ratio", "chi2_token": "chi2_token",
+}
+IS_METRICS = {"is_weight_mean": "rollout_is_mean", "ess": "rollout_is_eff_sample_size"}
+RS_METRICS = {"rejected_token_frac": "rollout_rs_masked_fraction",
+              "rejected_seq_frac": "rollout_rs_seq_masked_fraction"}
+
+
+def anchor_batch(seed: int = 7, B: int = 10, T: int = 14, spread: float = 0.15):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, T + 1, (B,), generator=g)
+    lengths[0] = T
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    old = -torch.rand(B, T, generator=g) * 3.0 - 0.01
+    spikes = (torch.rand(B, T, generator=g) < 0.1).float() * torch.randn(B, T, generator=g) * 0.9
+    rollout = old + torch.randn(B, T, generator=g) * spread + spikes
+    return old, rollout, mask
+
+
+def run_verl(old, rollout, mask, verl_cfg):
+    weights_proto, new_mask, metrics = helper.compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=rollout, response_mask=mask,
+        rollout_is=verl_cfg["rollout_is"], rollout_is_threshold=verl_cfg["rollout_is_threshold"],
+        rollout_rs=verl_cfg["rollout_rs"], rollout_rs_threshold=verl_cfg["rollout_rs_threshold"],
+    )
+    weights = None if weights_proto is None else weights_proto.batch["rollout_is_weights"]
+    return weights, new_mask, {k.removeprefix("rollout_corr/"): v for k, v in metrics.items()}
+
+
+def run_core(cfg, old, rollout, mask):
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask, with_metrics=True)
+    return out.weights, out.mask, {k.removeprefix("rollout_correction/"): v for k, v in out.metrics.items()}
+
+
+def assert_metrics(ours, theirs, mapping):
+    for our_key, verl_key in mapping.items():
+        assert ours[our_key] == pytest.approx(theirs[verl_key], abs=ATOL, rel=ATOL), (our_key, verl_key)
+
+
+IS_CASES = {
+    "verl_decoupled_token_is": CorrectionConfig.preset("verl_decoupled_token_is"),
+    "token_truncate_1.3": CorrectionConfig(rollout_importance_sampling_mode="token_truncate",
+                                           rollout_importance_sampling_threshold=1.3),
+    "token_mask_icepop": CorrectionConfig.preset("icepop"),
+    "token_mask_tight": CorrectionConfig(rollout_importance_sampling_mode="token_mask",
+                                         rollout_importance_sampling_threshold=1.1,
+                                         rollout_importance_sampling_threshold_lower=0.9),
+    "sequence_truncate_product": CorrectionConfig(rollout_importance_sampling_mode="sequence_truncate",
+                                                  rollout_importance_sampling_threshold=1.5,
+                                                  rollout_importance_sampling_sequence_reduction="product"),
+    "sequence_mask_product": CorrectionConfig(rollout_importance_sampling_mode="sequence_mask",
+                                              rollout_importance_sampling_threshold=2.0,
+                                              rollout_importance_sampling_threshold_lower=0.5,
+                                              rollout_importance_sampling_sequence_reduction="product",
+                                              rollout_importance_sampling_sequence_mask_weight="sequence"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IS_CASES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_is_weights_and_metrics_match_verl(name, seed):
+    cfg = IS_CASES[name]
+    old, rollout, mask = anchor_batch(seed)
+    w_ours, m_ours, met_ours = run_core(cfg, old, rollout, mask)
+    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, adapter.verl_equivalent(cfg))
+    torch.testing.assert_close(w_ours, w_verl, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
+    assert_metrics(met_ours, met_verl, {**SHARED_METRICS, **IS_METRICS})
+    if cfg.rollout_importance_sampling_sequence_reduction == "product":
+        assert_metrics(met_ours, met_verl, {"chi2_seq": "chi2_seq"})
+    if name.startswith("token_mask"):  # our clipped_frac is verl's IcePop out-of-bounds ratio
+        assert_metrics(met_ours, met_verl, {"clipped_frac": "rollout_is_oob_ratio"})
+    elif name.startswith("token_truncate") or name == "verl_decoupled_token_is":
+        assert_metrics(met_ours, met_verl, {"clipped_frac": "rollout_is_ratio_fraction_high"})
+    # the batch is not trivially on-policy: something was actually truncated or zeroed
+    assert 0 < met_ours["clipped_frac"] or name.startswith("sequence")
+
+
+REJECTION_CASES = [
+    dict(rollout_rejection=["token_k1"], rollout_rejection_threshold=1.3),
+    dict(rollout_rejection=["token_k1"], rollout_rejection_threshold="0.8_1.5"),
+    dict(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02),
+    dict(rollout_rejection=["token_k3"], rollout_rejection_threshold=0.02),
+    dict(rollout_rejection=["seq_sum_k1"], rollout_rejection_threshold="0.6_1.6"),
+    dict(rollout_rejection=["seq_sum_k2"], rollout_rejection_threshold=0.1),
+    dict(rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.1),
+    dict(rollout_rejection=["seq_mean_k1"], rollout_rejection_threshold=1.05),
+    dict(rollout_rejection=["seq_mean_k2"], rollout_rejection_threshold=0.03),
+    dict(rollout_rejection=["seq_mean_k3"], rollout_rejection_threshold=0.03),
+    dict(rollout_rejection=["seq_max_k2"], rollout_rejection_threshold=0.05),
+    dict(rollout_rejection=["seq_max_k3"], rollout_rejection_threshold=0.05),
+    dict(rollout_rejection=["token_k2", "seq_mean_k1", "seq_max_k3"],
+         rollout_rejection_threshold=[0.2, [0.9, 1.1], 0.3]),
+    # the paper's best recipe, as verl would run it
+    dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=2.0,
+         rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.1),
+]
+
+
+@pytest.mark.parametrize("flags", REJECTION_CASES, ids=lambda f: "+".join(f["rollout_rejection"]))
+@pytest.mark.parametrize("seed", [0, 3])
+def test_rejection_masks_match_verl(flags, seed):
+    cfg = CorrectionConfig(**flags)
+    old, rollout, mask = anchor_batch(seed)
+    w_ours, m_ours, met_ours = run_core(cfg, old, rollout, mask)
+    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, adapter.verl_equivalent(cfg))
+    torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
+    kept, valid = m_ours.sum().item(), mask.sum().item()
+    assert 0 < kept < valid, "thresholds should reject some but not all tokens on this batch"
+    if w_verl is not None:
+        torch.testing.assert_close(w_ours, w_verl, atol=ATOL, rtol=ATOL)
+    assert_metrics(met_ours, met_verl, {**SHARED_METRICS, **RS_METRICS})
+
+
+def test_tis_srs_k3_preset_matches_verl_at_paper_threshold():
+    """The paper's tau_seq = 0.001 on a mildly mismatched batch (most sequences rejected)."""
+    cfg = CorrectionConfig.preset("tis_srs_k3")
+    old, rollout, mask = anchor_batch(11, spread=0.01)
+    w_ours, m_ours, met_ours = run_core(cfg, old, rollout, mask)
+    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, adapter.verl_equivalent(cfg))
+    torch.testing.assert_close(w_ours, w_verl, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
+    assert_metrics(met_ours, met_verl, {**SHARED_METRICS, **IS_METRICS, **RS_METRICS})
+
+
+@pytest.mark.parametrize("name", ["verl_decoupled_token_is", "token_mask_icepop", "sequence_truncate_product"])
+def test_driver_hook_writes_what_verls_own_correction_writes(name):
+    """Through verl's batch API: our driver hook vs verl's unpatched compute_rollout_correction_and_add_to_batch."""
+    cfg = IS_CASES[name]
+    old, rollout, mask = anchor_batch(5)
+
+    def batch():
+        return DataProto.from_dict(tensors={"old_log_probs": old.clone(), "rollout_log_probs": rollout.clone(),
+                                            "response_mask": mask.clone()})
+
+    original = getattr(helper.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK,
+                       helper.compute_rollout_correction_and_add_to_batch)
+    theirs, _ = original(batch(), adapter.verl_equivalent(cfg))
+    adapter.set_active_config(cfg)
+    try:
+        ours, metrics = helper.compute_rollout_correction_and_add_to_batch(
+            batch(), {"rollout_is": None, "rollout_rs": None, "bypass_mode": False})
+    finally:
+        adapter.set_active_config(None)
+    torch.testing.assert_close(ours.batch["rollout_is_weights"], theirs.batch["rollout_is_weights"],
+                               atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(ours.batch["response_mask"], theirs.batch["response_mask"], atol=0, rtol=0)
+    assert all(k.startswith("rollout_correction/") for k in metrics)
+
+
+def test_k1_single_threshold_means_reciprocal_range_like_verl():
+    cfg = CorrectionConfig(rollout_rejection=["seq_mean_k1"], rollout_rejection_threshold=1.02)
+    assert adapter.verl_equivalent(cfg)["rollout_rs_threshold"] == f"{1 / 1.02}_{1.02}"
+    old, rollout, mask = anchor_batch(4)
+    _, m_ours, _ = run_core(cfg, old, rollout, mask)
+    _, m_verl, _ = helper.compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=rollout, response_mask=mask, rollout_rs="seq_mean_k1",
+        rollout_rs_threshold=1.02)  # verl's own parsing of a single K1 value
+    torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold_lower=0.5),
+     "rollout_importance_sampling_threshold_lower"),
+    (dict(rollout_importance_sampling_mode="sequence_truncate"), "rollout_importance_sampling_sequence_reduction"),
+    (dict(rollout_importance_sampling_mode="sequence_mask", rollout_importance_sampling_threshold_lower=0.5,
+          rollout_importance_sampling_sequence_reduction="product"), "rollout_importance_sampling_sequence_mask_weight"),
+    (dict(off_policy_sequence_mask_delta=0.1), "off_policy_sequence_mask_delta"),
+])
+def test_modes_without_a_verl_equivalent_say_so(flags, flag):
+    with pytest.raises(ValueError, match=flag):
+        adapter.verl_equivalent(CorrectionConfig(**flags))
