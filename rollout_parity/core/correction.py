@@ -15,13 +15,14 @@ Weights are detached: they change the measure, not the objective.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import math
 from typing import Any, Optional
 
 import torch
 
 from .config import CorrectionConfig, RejectionRule
 from .metrics import correction_metrics
-from .ratios import check_shapes, compute_dtype, sanitized_log_ratio, sequence_log_ratio
+from .ratios import TokenStats, check_shapes, compute_dtype, sanitized_log_ratio
 
 
 @dataclass
@@ -45,7 +46,7 @@ class CorrectionOutput:
 
 
 def importance_weights(
-    cfg: CorrectionConfig, log_ratio: torch.Tensor, seq_log_ratio: torch.Tensor, valid_f: torch.Tensor
+    cfg: CorrectionConfig, stats: TokenStats, seq_log_ratio: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """IS weights of the four modes and the tokens they truncated or zeroed.
 
@@ -59,67 +60,64 @@ def importance_weights(
     mode = cfg.rollout_importance_sampling_mode
     upper = cfg.rollout_importance_sampling_threshold
     lower = cfg.rollout_importance_sampling_threshold_lower
+    valid, valid_f = stats.valid, stats.valid_f
     if mode.startswith("token"):
-        ratio = log_ratio.exp()
-    else:
-        ratio = seq_log_ratio.exp().unsqueeze(-1).expand_as(log_ratio)
-    outside = ratio > upper
+        ratio = stats.ratio
+        outside = ratio > upper
+        if lower is not None:
+            outside |= ratio < lower
+        outside &= valid
+        if mode == "token_truncate":
+            weights = ratio.clamp(min=lower, max=upper).mul_(valid_f)
+        else:
+            weights = ratio.masked_fill(outside, 0.0).mul_(valid_f)
+        return weights, outside
+
+    rho = seq_log_ratio.exp()
+    seq_outside = rho > upper
     if lower is not None:
-        outside = outside | (ratio < lower)
-    if mode.endswith("truncate"):
-        weights = ratio.clamp(min=lower, max=upper)
-    elif mode == "token_mask" or cfg.rollout_importance_sampling_sequence_mask_weight == "sequence":
-        weights = ratio.masked_fill(outside, 0.0)
-    else:  # sequence_mask with token weights
-        weights = log_ratio.exp().masked_fill(outside, 0.0)
-    return weights * valid_f, outside & valid_f.bool()
+        seq_outside |= rho < lower
+    outside = valid & seq_outside.unsqueeze(-1)
+    if mode == "sequence_truncate":
+        weights = valid_f * rho.clamp(min=lower, max=upper).unsqueeze(-1)
+    elif cfg.rollout_importance_sampling_sequence_mask_weight == "sequence":
+        weights = valid_f * rho.masked_fill(seq_outside, 0.0).unsqueeze(-1)
+    else:
+        weights = stats.ratio.masked_fill(outside, 0.0).mul_(valid_f)
+    return weights, outside
 
 
-def _masked_seq_max(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    filled = values.masked_fill(~valid, float("-inf")).amax(dim=-1)
-    return torch.where(valid.any(dim=-1), filled, torch.zeros_like(filled))
-
-
-def rejection_keep(
-    rules: tuple[RejectionRule, ...], log_ratio: torch.Tensor, valid: torch.Tensor, valid_f: torch.Tensor
-) -> torch.Tensor:
+def rejection_keep(rules: tuple[RejectionRule, ...], stats: TokenStats) -> torch.Tensor:
     """Tokens kept by every rejection rule (rules are ANDed), as a bool ``(B, T)``.
 
     Per token: ``K1 = −log r``, ``K2 = ½ (log r)²``, ``K3 = r − 1 − log r`` on r_corr.
     ``seq_sum``/``seq_mean``/``seq_max`` reduce them over each sequence's valid tokens
     (paper eq. 8: ``S_seq = Σ_t K3``). K2/K3 keep ``S ≤ τ``; K1 keeps
-    ``log lo ≤ S ≤ log hi``.
+    ``log lo ≤ S ≤ log hi``. Empty sequences have statistic 0.
     """
-    keep = torch.ones_like(valid)
-    estimators: dict[str, torch.Tensor] = {}
-    counts = valid_f.sum(dim=-1).clamp_min(1.0)
+    valid = stats.valid
+    seq_keep = torch.ones(valid.shape[0], dtype=torch.bool, device=valid.device)
+    token_keep: Optional[torch.Tensor] = None
     for rule in rules:
-        k = estimators.get(rule.estimator)
-        if k is None:
-            if rule.estimator == "k1":
-                k = -log_ratio
-            elif rule.estimator == "k2":
-                k = 0.5 * log_ratio.square()
-            else:
-                k = torch.expm1(log_ratio) - log_ratio
-            k = k * valid_f
-            estimators[rule.estimator] = k
         if rule.level == "token":
-            stat = k
+            stat = stats.estimator(rule.estimator)
         elif rule.level == "seq_sum":
-            stat = k.sum(dim=-1, keepdim=True)
+            stat = stats.row_sum(rule.estimator)
         elif rule.level == "seq_mean":
-            stat = (k.sum(dim=-1) / counts).unsqueeze(-1)
+            stat = stats.row_sum(rule.estimator) / stats.tokens_per_seq.clamp_min(1.0)
         else:
-            stat = _masked_seq_max(k, valid).unsqueeze(-1)
+            k = stats.estimator(rule.estimator)  # K2, K3 >= 0 and 0 on padding: the row max is the valid max
+            stat = k.amax(dim=-1)
         if rule.estimator == "k1":
-            import math
-
             ok = (stat >= math.log(rule.lower)) & (stat <= math.log(rule.upper))
         else:
             ok = stat <= rule.upper
-        keep = keep & ok
-    return keep
+        if rule.level == "token":
+            token_keep = ok if token_keep is None else token_keep & ok
+        else:
+            seq_keep &= ok
+    keep = seq_keep.unsqueeze(-1).expand_as(valid)
+    return keep & token_keep if token_keep is not None else keep
 
 
 def sequence_advantages(advantages: torch.Tensor, valid_f: torch.Tensor) -> torch.Tensor:
@@ -198,20 +196,21 @@ def compute_correction(
     valid_f = valid.to(dtype)
 
     if rollout_logprobs is not None and base is not None:
-        log_ratio, nonfinite = sanitized_log_ratio(base, rollout_logprobs, valid, dtype)
+        log_ratio, nonfinite = sanitized_log_ratio(base, rollout_logprobs, valid, valid_f)
     else:
         log_ratio, nonfinite = torch.zeros_like(valid_f), torch.zeros_like(valid)
-    seq_lr = sequence_log_ratio(log_ratio, valid_f, cfg.rollout_importance_sampling_sequence_reduction)
+    stats = TokenStats(log_ratio, valid, valid_f)
+    seq_lr = stats.sequence_log_ratio(cfg.rollout_importance_sampling_sequence_reduction)
 
     if cfg.rollout_importance_sampling_mode is not None:
-        weights, clipped = importance_weights(cfg, log_ratio, seq_lr, valid_f)
+        weights, clipped = importance_weights(cfg, stats, seq_lr)
     else:
-        weights, clipped = torch.ones_like(valid_f), torch.zeros_like(valid)
+        weights, clipped = torch.ones_like(valid_f), None
 
     keep = valid
-    rejected = torch.zeros_like(valid)
+    rejected = None
     if cfg.rollout_rejection is not None:
-        kept = rejection_keep(cfg.rejection_rules, log_ratio, valid, valid_f)
+        kept = rejection_keep(cfg.rejection_rules, stats)
         rejected = valid & ~kept
         keep = keep & kept
 
@@ -226,8 +225,8 @@ def compute_correction(
         behaviour = rollout_logprobs if rollout_logprobs is not None else old_logprobs
         if behaviour is None:
             raise ValueError("off_policy_sequence_mask_delta needs rollout_logprobs or old_logprobs")
-        drift, _ = sanitized_log_ratio(behaviour, current_logprobs, valid, dtype)
-        delta = drift.sum(dim=-1) / valid_f.sum(dim=-1).clamp_min(1.0)
+        drift, _ = sanitized_log_ratio(behaviour, current_logprobs, valid, valid_f)
+        delta = drift.sum(dim=-1) / stats.tokens_per_seq.clamp_min(1.0)
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, valid_f) < 0)
         keep = keep & ~off_policy.unsqueeze(-1)
 
@@ -242,13 +241,11 @@ def compute_correction(
         metrics = {"rollout_correction/off_policy_masked_frac": float(frac)}
     elif want_metrics:
         metrics = correction_metrics(
-            log_ratio=log_ratio,
+            stats=stats,
             seq_log_ratio=seq_lr,
             base_logprobs=base,
             rollout_logprobs=rollout_logprobs,
-            valid=valid,
-            valid_f=valid_f,
-            weights=weights,
+            weights=weights if cfg.rollout_importance_sampling_mode is not None else None,
             clipped=clipped,
             rejected=rejected,
             off_policy=off_policy,
@@ -266,7 +263,7 @@ def compute_correction(
         old_logprobs=rollout_logprobs if bypass else old_logprobs,
         log_ratio=log_ratio,
         sequence_log_ratio=seq_lr,
-        rejected=rejected,
+        rejected=rejected if rejected is not None else torch.zeros_like(valid),
         off_policy_masked=off_policy,
         nonfinite=nonfinite,
     )

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from .ratios import LOG_RATIO_BOUND
+from .ratios import LOG_RATIO_BOUND, TokenStats
 
 PREFIX = "rollout_correction/"
 
@@ -61,15 +61,13 @@ def _all_reduce(sums: torch.Tensor, maxes: torch.Tensor, process_group: Any) -> 
 
 def correction_metrics(
     *,
-    log_ratio: torch.Tensor,
+    stats: TokenStats,
     seq_log_ratio: torch.Tensor,
     base_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
-    valid: torch.Tensor,
-    valid_f: torch.Tensor,
-    weights: torch.Tensor,
-    clipped: torch.Tensor,
-    rejected: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    clipped: Optional[torch.Tensor],
+    rejected: Optional[torch.Tensor],
     off_policy: torch.Tensor,
     nonfinite: torch.Tensor,
     advantages: Optional[torch.Tensor],
@@ -77,40 +75,50 @@ def correction_metrics(
     old_logprobs: Optional[torch.Tensor],
     process_group: Any = None,
 ) -> dict[str, float]:
+    """All diagnostics of one batch; ``weights``/``clipped``/``rejected`` are None when off."""
+    log_ratio, valid, valid_f = stats.log_ratio, stats.valid, stats.valid_f
     dtype = valid_f.dtype
     zero = valid_f.new_zeros(())
-    seq_valid = valid.any(dim=-1)
+    seq_valid = stats.tokens_per_seq > 0
     seq_valid_f = seq_valid.to(dtype)
+    n_tok = stats.tokens_per_seq.sum()
+    n_pad = valid_f.numel() - n_tok
 
-    ratio = log_ratio.exp()
+    # log_ratio is 0 on padding, so r = 1 there: whole-tensor sums minus the padding count
+    # are valid-token sums without a masking pass.
+    ratio = stats.ratio
+    flat_ratio = ratio.reshape(-1)
+    sum_r2 = torch.dot(flat_ratio, flat_ratio) - n_pad
     s: dict[str, torch.Tensor] = {
-        "n_tok": valid_f.sum(),
+        "n_tok": n_tok,
         "n_seq": seq_valid_f.sum(),
-        "kl": -log_ratio.sum(),  # log_ratio is 0 on padding
-        "k3": ((torch.expm1(log_ratio) - log_ratio) * valid_f).sum(),
-        "chi2_tok": (ratio.square() * valid_f).sum(),
-        "chi2_seq": ((2.0 * seq_log_ratio).clamp(max=2 * LOG_RATIO_BOUND).exp() * seq_valid_f).sum(),
-        "clipped": (clipped & valid).to(dtype).sum(),
-        "delta_abs": log_ratio.abs().sum(),
-        "rej_tok": rejected.to(dtype).sum(),
-        "rej_seq": rejected.any(dim=-1).to(dtype).sum(),
+        "kl": -stats.row_log_ratio.sum(),
+        "k3": stats.estimator("k3").sum(),
+        "chi2_tok": sum_r2,
+        "chi2_seq": ((2.0 * seq_log_ratio).exp() * seq_valid_f).sum(),
+        "delta_abs": torch.linalg.vector_norm(log_ratio.reshape(-1), 1),
         "off_seq": (off_policy & seq_valid).to(dtype).sum(),
-        "nonfinite": nonfinite.to(dtype).sum(),
+        "nonfinite": nonfinite.sum().to(dtype),
+        "clipped": zero if clipped is None else clipped.sum().to(dtype),
+        "rej_tok": zero if rejected is None else rejected.sum().to(dtype),
+        "rej_seq": zero if rejected is None else rejected.any(dim=-1).sum().to(dtype),
     }
-    w = weights * valid_f
-    s["w"] = w.sum()
-    s["w2"] = w.square().sum()
+    if weights is None:  # diagnostics only: the weight an IS correction would start from, r
+        s["w"] = ratio.sum() - n_pad
+        s["w2"] = sum_r2
+    else:
+        flat_w = weights.reshape(-1)
+        s["w"] = flat_w.sum()
+        s["w2"] = torch.dot(flat_w, flat_w)
 
     # Perplexities: per sequence, over tokens where both sides are finite.
-    base = base_logprobs.detach().to(dtype)
-    roll = rollout_logprobs.detach().to(dtype)
-    finite_f = (valid & torch.isfinite(base) & torch.isfinite(roll)).to(dtype)
-    n_fin = finite_f.sum(dim=-1)
+    finite = valid & ~nonfinite
+    n_fin = finite.sum(dim=-1).to(dtype)
     ppl_seq = n_fin > 0
     ppl_seq_f = ppl_seq.to(dtype)
     denom = n_fin.clamp_min(1.0)
-    mean_train = torch.where(finite_f.bool(), base, zero).sum(dim=-1) / denom
-    mean_roll = torch.where(finite_f.bool(), roll, zero).sum(dim=-1) / denom
+    mean_train = torch.where(finite, base_logprobs.detach().to(dtype), zero).sum(dim=-1) / denom
+    mean_roll = torch.where(finite, rollout_logprobs.detach().to(dtype), zero).sum(dim=-1) / denom
     lpd = mean_roll - mean_train
     s["n_ppl_seq"] = ppl_seq_f.sum()
     s["train_log_ppl"] = (-mean_train * ppl_seq_f).sum()
@@ -121,25 +129,28 @@ def correction_metrics(
     s["lpd_abs"] = (lpd.abs() * ppl_seq_f).sum()
     s["ppl_ratio"] = (lpd.exp() * ppl_seq_f).sum()
 
-    # Zero-centred loss contribution C(r) = -(r - 1) A (paper eq. 5), split by sign of A.
+    # Zero-centred loss contribution C(r) = -(r - 1) A (paper eq. 5), split by the sign of A.
     for key in ("c_pos", "c_neg", "c_roll_pos", "c_roll_neg"):
         s[key] = zero
     if advantages is not None and current_logprobs is not None:
         adv = advantages.detach().to(dtype)
-        adv = adv.unsqueeze(-1).expand_as(valid_f) if adv.dim() == 1 else adv
         cur = current_logprobs.detach().to(dtype)
         for tag, denominator in (("c", old_logprobs), ("c_roll", rollout_logprobs)):
             if denominator is None:
                 continue
-            lr_ppo = (cur - denominator.detach().to(dtype)).nan_to_num(0.0, 0.0, 0.0)
-            lr_ppo = lr_ppo.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-            contrib = -torch.expm1(lr_ppo) * adv * valid_f
+            lr_ppo = (cur - denominator.detach().to(dtype)).nan_to_num_(0.0, 0.0, 0.0)
+            minus_r_minus_1 = torch.expm1(lr_ppo.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).neg_().mul_(valid_f)
+            if adv.dim() == 1:  # one advantage per sequence: split the row sums, not the tokens
+                contrib = minus_r_minus_1.sum(dim=-1) * adv
+            else:
+                contrib = minus_r_minus_1.mul_(adv)
             s[f"{tag}_pos"] = torch.where(adv > 0, contrib, zero).sum()
             s[f"{tag}_neg"] = torch.where(adv < 0, contrib, zero).sum()
 
     neg_inf = torch.full((), float("-inf"), dtype=dtype, device=valid_f.device)
     m = {
-        "delta_abs_max": torch.where(valid, log_ratio.abs(), neg_inf).amax() if valid.numel() else neg_inf,
+        # |lr| is 0 on padding and >= 0 elsewhere, so the plain max is the valid max.
+        "delta_abs_max": torch.linalg.vector_norm(log_ratio.reshape(-1), float("inf")),
         "lpd_max": torch.where(ppl_seq, lpd, neg_inf).amax() if lpd.numel() else neg_inf,
         "neg_lpd_min": torch.where(ppl_seq, -lpd, neg_inf).amax() if lpd.numel() else neg_inf,
     }

@@ -47,8 +47,13 @@ def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
     return dtype
 
 
+def _plus_inf_to_nan(x: torch.Tensor) -> torch.Tensor:
+    nan = float("nan")
+    return x.nan_to_num(nan=nan, posinf=nan, neginf=float("-inf"))
+
+
 def sanitized_log_ratio(
-    numerator: torch.Tensor, denominator: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype
+    numerator: torch.Tensor, denominator: torch.Tensor, valid: torch.Tensor, valid_f: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``numerator − denominator`` per token, made finite, and the non-finite count mask.
 
@@ -56,29 +61,72 @@ def sanitized_log_ratio(
     neutral, log-ratio 0 (weight 1); a −inf on one side is maximal mismatch, the clamp
     bound ±20; −inf on both sides agree and are neutral. Padding gets 0.
 
+    The difference itself tells every case apart (a NaN or +inf input, mapped to NaN,
+    makes it NaN, as does −inf − (−inf); a lone −inf makes it ±inf), so this is a handful
+    of passes over the batch, not one per rule.
+
     Returns ``(log_ratio, nonfinite)`` with ``nonfinite`` the valid tokens whose inputs
     were not finite (counted in ``rollout_correction/nonfinite_frac``).
     """
-    num = numerator.detach().to(dtype)
-    den = denominator.detach().to(dtype)
-    finite = torch.isfinite(num) & torch.isfinite(den)
-    neutral = (
-        torch.isnan(num) | torch.isnan(den) | torch.isposinf(num) | torch.isposinf(den)
-        | (torch.isneginf(num) & torch.isneginf(den))
-    )
-    log_ratio = torch.where(neutral | ~valid, torch.zeros((), dtype=dtype, device=num.device), num - den)
-    log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return log_ratio, valid & ~finite
+    dtype = valid_f.dtype
+    diff = _plus_inf_to_nan(numerator.detach().to(dtype)) - _plus_inf_to_nan(denominator.detach().to(dtype))
+    # x - x is 0 for finite x and NaN for NaN or ±inf: one cheap pass instead of isfinite's several.
+    nonfinite = (diff - diff) != 0
+    nonfinite &= valid
+    log_ratio = diff.nan_to_num_(0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return log_ratio.mul_(valid_f), nonfinite
 
 
-def sequence_log_ratio(log_ratio: torch.Tensor, valid_f: torch.Tensor, reduction: str) -> torch.Tensor:
-    """``log ρ_seq`` per sequence: mean (geometric mean) or sum (product) of token log-ratios.
+class TokenStats:
+    """The per-token quantities every part of the correction reads, each computed once.
 
-    ``log_ratio`` is already zero on padding. Clamped to ±20. Empty sequences give 0.
+    ``log_ratio`` is zero on padding, so ``ratio`` is one there and ``k3 = r − 1 − lr``
+    zero: sums over the whole tensor equal sums over valid tokens up to a known count of
+    padding, which saves a masking pass per statistic. This matters: the correction is a
+    few dozen memory-bound passes over ``(B, T)`` next to a loss of about as many.
     """
-    total = log_ratio.sum(dim=-1)
-    if reduction == "geometric_mean":
-        total = total / valid_f.sum(dim=-1).clamp_min(1.0)
-    elif reduction != "product":
-        raise ValueError(f"rollout_importance_sampling_sequence_reduction: unknown value {reduction!r}")
-    return total.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+    def __init__(self, log_ratio: torch.Tensor, valid: torch.Tensor, valid_f: torch.Tensor):
+        self.log_ratio = log_ratio
+        self.valid = valid
+        self.valid_f = valid_f
+        self.tokens_per_seq = valid_f.sum(dim=-1)
+        self.row_log_ratio = log_ratio.sum(dim=-1)
+        self._ratio: Optional[torch.Tensor] = None
+        self._k2: Optional[torch.Tensor] = None
+        self._k3: Optional[torch.Tensor] = None
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        if self._ratio is None:
+            self._ratio = self.log_ratio.exp()
+        return self._ratio
+
+    def estimator(self, name: str) -> torch.Tensor:
+        """Per-token K1 = −lr, K2 = ½ lr², K3 = r − 1 − lr (all zero on padding)."""
+        if name == "k1":
+            return -self.log_ratio
+        if name == "k2":
+            if self._k2 is None:
+                self._k2 = 0.5 * self.log_ratio.square()
+            return self._k2
+        if self._k3 is None:
+            # expm1, not exp - 1: K3 ≈ lr²/2 is ~1e-9 for typical mismatch and the
+            # paper's tau_seq = 0.001 sums thousands of them; exp - 1 would drown it in fp32.
+            self._k3 = torch.expm1(self.log_ratio).sub_(self.log_ratio)
+        return self._k3
+
+    def row_sum(self, name: str) -> torch.Tensor:
+        """Σ_t K over each sequence's valid tokens, from row sums where possible."""
+        if name == "k1":
+            return -self.row_log_ratio
+        return self.estimator(name).sum(dim=-1)
+
+    def sequence_log_ratio(self, reduction: str) -> torch.Tensor:
+        """``log ρ_seq``: mean (geometric mean) or sum (product) of token log-ratios, ±20."""
+        total = self.row_log_ratio
+        if reduction == "geometric_mean":
+            total = total / self.tokens_per_seq.clamp_min(1.0)
+        elif reduction != "product":
+            raise ValueError(f"rollout_importance_sampling_sequence_reduction: unknown value {reduction!r}")
+        return total.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)

@@ -1,0 +1,92 @@
+"""What the correction costs on top of the loss: B=64, T=4096, fp32, CPU.
+
+Prints, measured in this one run (machines here are noisy, so only ratios are compared):
+  policy_loss alone (forward + backward)                      -> the baseline
+  compute_correction (tis_srs_k3 + off-policy mask + all metrics) + policy_loss (fwd+bwd)
+and their ratio. Target: ratio <= 1.5, i.e. the correction costs at most half the loss.
+
+The loss is timed with its backward because that is what a training step pays for it; the
+correction has no backward (its weights are detached). Both include their metrics' host sync.
+
+Last line: ``RESULT overhead_ratio=...`` (DESIGN.md's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from rollout_parity import CorrectionConfig, compute_correction, policy_loss
+
+
+def make_batch(B: int, T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    old = -torch.rand(B, T, generator=g) * 3
+    rollout = old + torch.randn(B, T, generator=g) * 0.02
+    current = (old + torch.randn(B, T, generator=g) * 0.05).requires_grad_()
+    adv = torch.randn(B, generator=g)
+    return old, rollout, current, mask, adv
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+
+    old, rollout, current, mask, adv = make_batch(args.batch, args.tokens)
+    plain = CorrectionConfig()
+    cfg = CorrectionConfig.preset("tis_srs_k3", off_policy_sequence_mask_delta=0.5)
+
+    def loss_only():
+        current.grad = None
+        loss, _ = policy_loss(plain, current_logprobs=current, old_logprobs=old, advantages=adv, response_mask=mask)
+        loss.backward()
+
+    def corrected():
+        current.grad = None
+        out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                                 advantages=adv, current_logprobs=current)
+        loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
+        loss.backward()
+
+    def correction_only():
+        compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                           advantages=adv, current_logprobs=current)
+
+    # Interleave the measurements so drift in machine load hits both alike.
+    base, full, corr = [], [], []
+    for _ in range(3):
+        base.append(timed(loss_only, args.repeats // 3 or 1))
+        full.append(timed(corrected, args.repeats // 3 or 1))
+        corr.append(timed(correction_only, args.repeats // 3 or 1))
+    t_base, t_full, t_corr = min(base), min(full), min(corr)
+    ratio = t_full / t_base
+
+    print(f"B={args.batch} T={args.tokens} fp32 CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'what':58s} {'ms':>9s}")
+    print(f"{'policy_loss alone (fwd+bwd)':58s} {t_base * 1e3:9.2f}")
+    print(f"{'compute_correction (tis_srs_k3 + off-policy + metrics)':58s} {t_corr * 1e3:9.2f}")
+    print(f"{'compute_correction + policy_loss (fwd+bwd)':58s} {t_full * 1e3:9.2f}")
+    print(f"overhead ratio (target <= 1.5): {ratio:.3f}")
+    print(f"RESULT overhead_ratio={ratio:.3f} correction_vs_loss={t_corr / t_base:.3f}")
+
+
+if __name__ == "__main__":
+    main()
