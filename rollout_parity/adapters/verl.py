@@ -394,9 +394,7 @@ def rollout_parity_policy_loss(
                                   response_mask=response_mask, advantages=advantages, current_logprobs=current,
                                   with_metrics=wants)
         mask = side.mask
-        keep = ("loss_contrib_pos", "loss_contrib_neg")
-        if cfg.off_policy_sequence_mask_delta is not None:
-            keep = keep + ("off_policy_masked_frac",)
+        keep = ("loss_contrib_pos", "loss_contrib_neg", "off_policy_masked_frac")
         loss_metrics = {k: v for k, v in side.metrics.items() if k.split("/", 1)[-1] in keep}
     correction = CorrectionOutput(weights=weights.detach(), mask=mask, metrics=loss_metrics,
                                   old_logprobs=old_log_prob)
