@@ -75,11 +75,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for r0 in range(0, e - s, sub):
                 r1 = min(r0 + sub, e - s)
                 zr = z[r0:r1]
-                lse_r = torch.logsumexp(zr, dim=1)  # its temporary is one sub-block
-                lse[s + r0 : s + r1] = lse_r
+                m = zr.amax(dim=1, keepdim=True)
+                zr.sub_(m)  # z - max, in place: the logits themselves are no longer needed
                 if want_entropy:
-                    p = torch.sub(zr, lse_r[:, None], out=scratch[: r1 - r0]).exp_()
-                    ent[s + r0 : s + r1] = p.xlogy_(p).sum(1).neg_()
+                    ex = torch.exp(zr, out=scratch[: r1 - r0])
+                    total = ex.sum(dim=1)
+                    # H = log S - sum_v e_v (z_v - m) / S,  e = exp(z - m), S = sum e
+                    ent[s + r0 : s + r1] = total.log() - ex.mul_(zr).sum(dim=1) / total
+                else:
+                    total = zr.exp_().sum(dim=1)
+                lse[s + r0 : s + r1] = total.log_().add_(m.squeeze(1))
         logp.sub_(lse)
 
         ctx.save_for_backward(hidden, weight, bias, token_ids, lse, ent)
@@ -116,26 +121,40 @@ class _ChunkedLogprobs(torch.autograd.Function):
             h = hidden[s:e].to(cdtype)
             hs = h * inv_temp if inv_temp != 1.0 else h
             z = _logits_into(buf[: e - s], hs, w, b)
-            for r0 in range(0, e - s, sub):
-                r1 = min(r0 + sub, e - s)
-                zr = z[r0:r1]
-                gl = g_logp[s + r0 : s + r1, None]
-                zr.sub_(lse[s + r0 : s + r1, None])  # log p
-                if use_ent:
-                    # dz = -p (g + e (log p + H))
+            if use_ent:
+                for r0 in range(0, e - s, sub):
+                    r1 = min(r0 + sub, e - s)
+                    zr = z[r0:r1].sub_(lse[s + r0 : s + r1, None])  # log p
                     p = torch.exp(zr, out=scratch[: r1 - r0])
+                    gl = g_logp[s + r0 : s + r1, None]
                     ge = g_ent[s + r0 : s + r1, None]
+                    # dL/dz = g (1[v=y] - p) - e p (log p + H)
                     zr.add_(ent[s + r0 : s + r1, None]).mul_(ge).add_(gl).mul_(p).neg_()
-                else:
-                    zr.exp_().mul_(gl.neg())  # dz = -g p
-            rows_idx = torch.arange(e - s, device=dev)
-            z.index_put_((rows_idx, token_ids[s:e]), g_logp[s:e], accumulate=True)  # + g 1[v=y]
+                rows_idx = torch.arange(e - s, device=dev)
+                z.index_put_((rows_idx, token_ids[s:e]), g_logp[s:e], accumulate=True)
+                row_scale, hg = None, h
+            else:
+                # dL/dz_i = -g_i (p_i - 1[v=y_i]): keep P - onehot and move the per-row g_i
+                # onto the (chunk, H) operands, saving a pass over the (chunk, V) buffer.
+                for r0 in range(0, e - s, sub):
+                    r1 = min(r0 + sub, e - s)
+                    z[r0:r1].sub_(lse[s + r0 : s + r1, None]).exp_()
+                rows_idx = torch.arange(e - s, device=dev)
+                minus_one = z.new_full((e - s,), -1.0)
+                z.index_put_((rows_idx, token_ids[s:e]), minus_one, accumulate=True)
+                row_scale = g_logp[s:e, None].neg()
+                hg = h * row_scale
             if need_h:
                 torch.mm(z, w, out=grad_h[s:e])
+                if row_scale is not None:
+                    grad_h[s:e].mul_(row_scale)
             if need_w:
-                grad_w.addmm_(z.t(), h)
+                grad_w.addmm_(z.t(), hg)
             if need_b:
-                grad_b.add_(z.sum(0))
+                if row_scale is None:
+                    grad_b.add_(z.sum(0))
+                else:
+                    grad_b.addmv_(z.t(), row_scale.squeeze(1))
 
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
