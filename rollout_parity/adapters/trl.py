@@ -239,6 +239,8 @@ class ParityGRPOConfig(GRPOConfig):
                     "off_policy_sequence_mask_delta (the same DeepSeek-V3.2 mask, shared across frameworks) instead."
                 )
             if self.vllm_importance_sampling_correction is None:
+                # Remembered so that revert() can give TRL its default back.
+                self.rollout_parity_disabled_trl_correction = True
                 logger.warning(
                     "rollout-parity: TRL's own vllm_importance_sampling_correction is turned off because "
                     "rollout-parity corrects the loss (%s); set the rollout-parity flags to null to use TRL's.",
@@ -418,10 +420,8 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
         cfg = CorrectionConfig.from_dict(config)
 
     previous = _state(trainer)
-    if previous is not None:
-        if previous.config == cfg:
-            return trainer
-        revert(trainer)
+    if previous is not None and previous.config == cfg:
+        return trainer
 
     needs_rollout = cfg.wants_metrics or cfg.old_logprob_source == "bypass"
     if needs_rollout and not trainer.use_vllm and getattr(trainer, "rollout_func", None) is None:
@@ -436,6 +436,8 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
             "the trainer with GRPOConfig(cast_lm_head_to_fp32=True), or use ParityGRPOConfig/ParityGRPOTrainer."
         )
 
+    if previous is not None:  # validated above, so a refused config leaves the previous one in place
+        revert(trainer)
     state = _PatchState(config=cfg)
     if cfg.changes_loss or cfg.old_logprob_source == "bypass":
         if trainer.vllm_importance_sampling_correction:
@@ -446,6 +448,8 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
                 _describe_correction(cfg),
             )
             _set_flag(trainer, state, "vllm_importance_sampling_correction", False)
+        elif getattr(trainer.args, "rollout_parity_disabled_trl_correction", False):
+            state.saved_flags["vllm_importance_sampling_correction"] = (True, True)
         _patch_method(trainer, state, "_compute_loss", _corrected_compute_loss)
     elif cfg.wants_metrics:
         _patch_method(trainer, state, "_compute_loss", _diagnosed_compute_loss)
