@@ -96,8 +96,9 @@ def naive_correction(cfg, old, rollout, mask, advantages=None, current=None):
                     for t in toks:
                         keep[i][t] = False
         if cfg.off_policy_sequence_mask_delta is not None:
-            behaviour = rollout
-            drift = [token_log_ratio(behaviour[i][t], current[i][t]) for t in toks]
+            # δ_i over the sequence's finite tokens (both logprobs of the mismatch finite).
+            fin = [t for t in toks if all(math.isfinite(v) for v in (base[i][t], rollout[i][t]))]
+            drift = [rollout[i][t] - current[i][t] for t in fin]
             d = sum(drift) / len(drift) if drift else 0.0
             adv = advantages[i] if not isinstance(advantages[i], list) else (
                 sum(advantages[i][t] for t in toks) / len(toks) if toks else 0.0)

@@ -70,9 +70,10 @@ def test_weights_and_mask_match_naive(flags, with_bad):
 
 
 @pytest.mark.parametrize("delta", [0.01, 0.05])
-def test_off_policy_sequence_mask_matches_naive(delta):
+@pytest.mark.parametrize("with_bad", [False, True])
+def test_off_policy_sequence_mask_matches_naive(delta, with_bad):
     cfg = CorrectionConfig(off_policy_sequence_mask_delta=delta)
-    old, rollout, current, mask, adv = make_batch(seed=3, spread=0.1)
+    old, rollout, current, mask, adv = make_batch(seed=3, spread=0.1, with_bad=with_bad)
     out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
                              advantages=adv, current_logprobs=current)
     _, keep_ref = naive_correction(cfg, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())

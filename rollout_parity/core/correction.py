@@ -199,7 +199,7 @@ def compute_correction(
         log_ratio, nonfinite = sanitized_log_ratio(base, rollout_logprobs, valid, valid_f)
     else:
         log_ratio, nonfinite = torch.zeros_like(valid_f), torch.zeros_like(valid)
-    stats = TokenStats(log_ratio, valid, valid_f)
+    stats = TokenStats(log_ratio, valid, valid_f, nonfinite)
     seq_lr = stats.sequence_log_ratio(cfg.rollout_importance_sampling_sequence_reduction)
 
     if cfg.rollout_importance_sampling_mode is not None:
@@ -225,8 +225,11 @@ def compute_correction(
         behaviour = rollout_logprobs if rollout_logprobs is not None else old_logprobs
         if behaviour is None:
             raise ValueError("off_policy_sequence_mask_delta needs rollout_logprobs or old_logprobs")
-        drift, _ = sanitized_log_ratio(behaviour, current_logprobs, valid, valid_f)
-        delta = drift.sum(dim=-1) / stats.tokens_per_seq.clamp_min(1.0)
+        # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's finite tokens.
+        n_finite = stats.finite_per_seq.clamp_min(1.0)
+        behaviour_name = "rollout" if rollout_logprobs is not None else "old"
+        delta = (stats.finite_row_sum(behaviour_name, behaviour) - stats.finite_row_sum("current", current_logprobs)
+                 ) / n_finite
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, valid_f) < 0)
         keep = keep & ~off_policy.unsqueeze(-1)
 
@@ -244,6 +247,7 @@ def compute_correction(
             stats=stats,
             seq_log_ratio=seq_lr,
             base_logprobs=base,
+            base_name="current" if bypass else "old",
             rollout_logprobs=rollout_logprobs,
             weights=weights if cfg.rollout_importance_sampling_mode is not None else None,
             clipped=clipped,
@@ -252,7 +256,7 @@ def compute_correction(
             nonfinite=nonfinite,
             advantages=advantages,
             current_logprobs=current_logprobs,
-            old_logprobs=rollout_logprobs if bypass else old_logprobs,
+            bypass=bypass,
             process_group=process_group,
         )
 

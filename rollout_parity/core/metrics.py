@@ -25,8 +25,8 @@ over valid tokens; sequence means over sequences with at least one valid token):
 * ``is_weight_mean = mean_t w``; ``ess = (Σ w)² / (n Σ w²)`` over valid tokens, with
   ``w`` the applied IS weights (the raw ``r`` when no IS mode is set): 1 on-policy.
 * ``clipped_frac``: valid tokens whose weight was truncated or zeroed by the IS mode.
-* ``loss_contrib_pos``/``loss_contrib_neg``: ``Σ C(r_ppo^train)`` over tokens with A > 0
-  / A < 0, divided by the valid-token count (so they add to the token-mean); the
+* ``loss_contrib_pos``/``loss_contrib_neg``: ``Σ C(r_ppo^train)`` over finite tokens with
+  A > 0 / A < 0, divided by the valid-token count (so they add to the token-mean); the
   ``loss_contrib_rollout_*`` pair uses ``r_ppo^rollout = π_θ/π_rollout``.
 """
 
@@ -64,6 +64,7 @@ def correction_metrics(
     stats: TokenStats,
     seq_log_ratio: torch.Tensor,
     base_logprobs: torch.Tensor,
+    base_name: str,
     rollout_logprobs: torch.Tensor,
     weights: Optional[torch.Tensor],
     clipped: Optional[torch.Tensor],
@@ -72,7 +73,7 @@ def correction_metrics(
     nonfinite: torch.Tensor,
     advantages: Optional[torch.Tensor],
     current_logprobs: Optional[torch.Tensor],
-    old_logprobs: Optional[torch.Tensor],
+    bypass: bool,
     process_group: Any = None,
 ) -> dict[str, float]:
     """All diagnostics of one batch; ``weights``/``clipped``/``rejected`` are None when off."""
@@ -112,13 +113,12 @@ def correction_metrics(
         s["w2"] = torch.dot(flat_w, flat_w)
 
     # Perplexities: per sequence, over tokens where both sides are finite.
-    finite = valid & ~nonfinite
-    n_fin = finite.sum(dim=-1).to(dtype)
+    n_fin = stats.finite_per_seq
     ppl_seq = n_fin > 0
     ppl_seq_f = ppl_seq.to(dtype)
     denom = n_fin.clamp_min(1.0)
-    mean_train = torch.where(finite, base_logprobs.detach().to(dtype), zero).sum(dim=-1) / denom
-    mean_roll = torch.where(finite, rollout_logprobs.detach().to(dtype), zero).sum(dim=-1) / denom
+    mean_train = stats.finite_row_sum(base_name, base_logprobs) / denom
+    mean_roll = stats.finite_row_sum("rollout", rollout_logprobs) / denom
     lpd = mean_roll - mean_train
     s["n_ppl_seq"] = ppl_seq_f.sum()
     s["train_log_ppl"] = (-mean_train * ppl_seq_f).sum()
@@ -129,17 +129,20 @@ def correction_metrics(
     s["lpd_abs"] = (lpd.abs() * ppl_seq_f).sum()
     s["ppl_ratio"] = (lpd.exp() * ppl_seq_f).sum()
 
-    # Zero-centred loss contribution C(r) = -(r - 1) A (paper eq. 5), split by the sign of A.
+    # Zero-centred loss contribution C(r) = -(r - 1) A (paper eq. 5), split by the sign of A,
+    # over finite tokens. r_ppo^train = π_θ/π_old; r_ppo^rollout = r_ppo^train · r_corr
+    # (the same thing under bypass, where π_old is π_rollout).
     for key in ("c_pos", "c_neg", "c_roll_pos", "c_roll_neg"):
         s[key] = zero
     if advantages is not None and current_logprobs is not None:
         adv = advantages.detach().to(dtype)
+        finite = stats.finite
         cur = current_logprobs.detach().to(dtype)
-        for tag, denominator in (("c", old_logprobs), ("c_roll", rollout_logprobs)):
-            if denominator is None:
-                continue
-            lr_ppo = (cur - denominator.detach().to(dtype)).nan_to_num_(0.0, 0.0, 0.0)
-            minus_r_minus_1 = torch.expm1(lr_ppo.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).neg_().mul_(valid_f)
+        old = rollout_logprobs if bypass else base_logprobs
+        lr_train = torch.where(finite, cur - old.detach().to(dtype), zero).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        lr_roll = lr_train if bypass else (lr_train + log_ratio).masked_fill_(~finite, 0.0)
+        for tag, lr_ppo in (("c", lr_train), ("c_roll", lr_roll)):
+            minus_r_minus_1 = torch.expm1(lr_ppo.clamp(max=LOG_RATIO_BOUND)).neg_()  # 0 where lr_ppo is 0
             if adv.dim() == 1:  # one advantage per sequence: split the row sums, not the tokens
                 contrib = minus_r_minus_1.sum(dim=-1) * adv
             else:

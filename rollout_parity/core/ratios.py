@@ -86,15 +86,41 @@ class TokenStats:
     few dozen memory-bound passes over ``(B, T)`` next to a loss of about as many.
     """
 
-    def __init__(self, log_ratio: torch.Tensor, valid: torch.Tensor, valid_f: torch.Tensor):
+    def __init__(self, log_ratio: torch.Tensor, valid: torch.Tensor, valid_f: torch.Tensor,
+                 nonfinite: torch.Tensor):
         self.log_ratio = log_ratio
         self.valid = valid
         self.valid_f = valid_f
+        self.nonfinite = nonfinite
         self.tokens_per_seq = valid_f.sum(dim=-1)
         self.row_log_ratio = log_ratio.sum(dim=-1)
         self._ratio: Optional[torch.Tensor] = None
         self._k2: Optional[torch.Tensor] = None
         self._k3: Optional[torch.Tensor] = None
+        self._finite: Optional[torch.Tensor] = None
+        self._finite_row_sums: dict[str, torch.Tensor] = {}
+
+    @property
+    def finite(self) -> torch.Tensor:
+        """Valid tokens whose two logprobs are finite: what per-sequence means average over."""
+        if self._finite is None:
+            self._finite = self.valid & ~self.nonfinite
+        return self._finite
+
+    @property
+    def finite_per_seq(self) -> torch.Tensor:
+        return self.finite_row_sum("__count__", None)
+
+    def finite_row_sum(self, name: str, values: Optional[torch.Tensor]) -> torch.Tensor:
+        """Σ_t over each sequence's finite tokens of ``values`` (cached under ``name``)."""
+        if name not in self._finite_row_sums:
+            if values is None:
+                total = self.finite.sum(dim=-1).to(self.valid_f.dtype)
+            else:
+                values = values.detach().to(self.valid_f.dtype)
+                total = torch.where(self.finite, values, values.new_zeros(())).sum(dim=-1)
+            self._finite_row_sums[name] = total
+        return self._finite_row_sums[name]
 
     @property
     def ratio(self) -> torch.Tensor:
