@@ -203,15 +203,15 @@ def test_shared_batch_decoupled_matches_the_core(name, actor_config, active):
     expected = {k: v for k, v in ref["metrics"].items() if k not in NOT_IN_VERL_DECOUPLED}
     if not cfg.wants_metrics:
         expected = {k: v for k, v in expected.items() if not k.startswith("rollout_correction/")}
-    elif cfg.rollout_rejection is not None:
-        # The loss sees only the tokens that survived rejection: C(r_ppo^train) is over those.
+    else:
+        # C(r_ppo^train) = -(pi_theta/pi_old - 1) A (paper eq. 5) is computed in the loss, over the
+        # tokens the loss sees (after rejection; rollout NaN/-inf are invisible there): naive reference.
         batch = make_shared_batch()
-        survivors = compute_correction(CorrectionConfig(log_rollout_offpolicy_metrics=True),
-                                       old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
-                                       response_mask=ref["mask"], advantages=batch.advantages,
-                                       current_logprobs=batch.current_logprobs.detach())
-        for key in ("rollout_correction/loss_contrib_pos", "rollout_correction/loss_contrib_neg"):
-            expected[key] = survivors.metrics[key]
+        seen = ref["mask"].bool()
+        contrib = -(torch.exp(batch.current_logprobs.detach() - batch.old_logprobs) - 1) * batch.advantages[:, None]
+        n = seen.sum()
+        expected["rollout_correction/loss_contrib_pos"] = (contrib * (seen & (batch.advantages[:, None] > 0))).sum().item() / n.item()
+        expected["rollout_correction/loss_contrib_neg"] = (contrib * (seen & (batch.advantages[:, None] < 0))).sum().item() / n.item()
     assert set(metrics) == set(expected)
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, abs=ATOL, rel=ATOL), key
@@ -339,24 +339,42 @@ def test_hydra_preset_and_bypass():
         adapter.set_active_config(None)
 
 
-def test_patched_validate_config_configures_before_verls_validation():
+VALID_RUN = ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+             "algorithm.adv_estimator=grpo", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "trainer.n_gpus_per_node=1"]
+
+
+def test_verls_patched_validate_config_configures_then_validates():
+    """What main_ppo.main calls at start: ours first, then verl's own checks pass on the rewrite."""
     import verl.utils.config as verl_config
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
 
-    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_mask",
-                          "+rollout_parity.rollout_importance_sampling_threshold_lower=0.5")
-    seen = {}
-    original = getattr(verl_config.validate_config, adapter._PATCH_MARK)
-
-    def fake_original(cfg, **kwargs):
-        seen["loss_mode"] = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
-
-    wrapped = adapter._wrap_validate(fake_original)
+    assert hasattr(verl_config.validate_config, adapter._PATCH_MARK)
+    config = compose_verl("+rollout_parity.preset=tis_srs_k3", "+rollout_parity.fp32_lm_head=true", *VALID_RUN)
     try:
-        wrapped(config, use_reference_policy=False, use_critic=False)
+        verl_config.validate_config(config, use_reference_policy=need_reference_policy(config),
+                                    use_critic=need_critic(config))
+        assert adapter.active_config() == CorrectionConfig.preset("tis_srs_k3", fp32_lm_head=True)
     finally:
         adapter.set_active_config(None)
-    assert seen["loss_mode"] == "rollout_parity"
-    assert callable(original)
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "rollout_parity"
+
+
+def test_a_real_main_ppo_command_line_rejects_a_bad_flag_at_start(tmp_path):
+    """``python -m verl.trainer.main_ppo ... +rollout_parity.<bad>`` fails before Ray starts."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=adapter.MODULE, HYDRA_FULL_ERROR="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *BASE_OVERRIDES, *VALID_RUN,
+         "+rollout_parity.rollout_importance_sampling_mode=token_clip", f"hydra.run.dir={tmp_path}"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert "rollout_importance_sampling_mode: unknown mode 'token_clip'" in proc.stderr
+    assert "ray init kwargs" not in proc.stdout  # stopped before run_ppo
 
 
 @pytest.mark.parametrize("override, flag", [
