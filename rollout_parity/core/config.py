@@ -136,13 +136,15 @@ def parse_rejection(options: Sequence[str], thresholds: Any) -> tuple[RejectionR
     return tuple(rules)
 
 
-def _configs_dir() -> Path:
+def configs_dir() -> Path:
+    """Where the YAML recipes live: ``$ROLLOUT_PARITY_CONFIGS``, else the package's ``configs``.
+
+    ``rollout_parity/configs`` links to the repository's top-level ``configs/`` and is
+    shipped as package data, so a wheel install finds the same files as a checkout.
+    """
     env = os.environ.get("ROLLOUT_PARITY_CONFIGS")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[2] / "configs"
-    if repo.is_dir():
-        return repo
     return Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -318,7 +320,7 @@ class CorrectionConfig:
 
     @classmethod
     def available_presets(cls) -> list[str]:
-        directory = _configs_dir() / "presets"
+        directory = configs_dir() / "presets"
         return sorted(p.stem for p in directory.glob("*.yaml"))
 
     @classmethod
@@ -326,7 +328,7 @@ class CorrectionConfig:
         """Load ``configs/presets/<name>.yaml`` through OmegaConf; keyword overrides win."""
         from omegaconf import OmegaConf
 
-        path = _configs_dir() / "presets" / f"{name}.yaml"
+        path = configs_dir() / "presets" / f"{name}.yaml"
         if not path.is_file():
             raise ValueError(f"unknown preset {name!r}; available: {cls.available_presets()}")
         node = OmegaConf.load(path)
