@@ -187,9 +187,10 @@ class RolloutParityLossFn:
     ``metrics="nemo"`` (default) returns every metric pre-divided for NeMo RL's aggregation,
     which *sums* a metric over microbatches and data-parallel ranks: a token mean is returned
     times (this microbatch's valid tokens / global valid tokens), a sequence mean times the
-    sequence share, so the sum is the global-batch value (exact for means; a share-weighted
-    average for the non-linear ``ess``/``ppl`` ones); extrema are not additive and are left
-    out. ``metrics="local"`` returns the core's metrics of this microbatch unchanged.
+    sequence share, so the sum is the global-batch value (exact for the correction's token
+    means; a share-weighted average for the non-linear ``ess``/``ppl`` ones and, under
+    rejection, for the ``policy/*`` means over kept tokens); extrema are not additive and are
+    left out. ``metrics="local"`` returns the core's metrics of this microbatch unchanged.
     Besides ``policy/*`` and ``rollout_correction/*`` it returns the keys NeMo RL's GRPO
     loop reads: ``loss``, ``token_mult_prob_error`` (``grpo_train`` indexes it) and
     ``num_valid_samples``.
