@@ -19,7 +19,6 @@ may emit that re-tokenise into one token (merge) or into a different pair (split
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterable, Optional
 
 __all__ = [
@@ -178,9 +177,3 @@ def find_split_pair(tok: Any) -> tuple[list[int], list[int]]:
     if found is None:
         raise LookupError("no token pair in this vocabulary re-tokenises into a different pair")
     return found
-
-
-def tool_call_text(name: str, arguments: dict) -> str:
-    """A tool call as a model might write it: compact JSON on one line (unlike the template)."""
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments},
-                                      separators=(",", ":")) + "</tool_call>"
