@@ -1,0 +1,148 @@
+"""One actor update through verl's own per-micro-batch loss entry point, on CPU.
+
+verl 0.9.1's FSDP engine calls ``verl.workers.utils.losses.ppo_loss(config, model_output,
+data)`` for every micro-batch; that function selects the batch fields, converts verl's
+nested (no-padding) layout to padded tensors, fetches our loss from the registry and adds
+entropy/KL terms. Here a tiny local Qwen2 produces the packed token logprobs exactly as the
+engine lays them out, verl's ``ppo_loss`` turns them into a loss, and one SGD step moves the
+parameters; an independent copy of the model updated with the core's
+``compute_correction`` + ``policy_loss`` on padded tensors must land on the same parameters.
+
+The FSDP engine itself is not driven: verl 0.9.1 has no CPU platform (``get_device_name()``
+is ``"cuda"`` on a CPU-only machine and the engine calls the CUDA device module), see the
+report in docs/verl.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+transformers = pytest.importorskip("transformers")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
+from rollout_parity.adapters import verl as adapter  # noqa: E402
+from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
+
+LR = 0.5
+PROMPT_LENS = [3, 5, 2, 4]
+RESPONSE_LENS = [6, 2, 7, 4]
+
+
+@functools.lru_cache(maxsize=None)
+def actor_config(loss_agg_mode):
+    config_dir = os.path.join(os.path.dirname(core_algos.__file__), "..", "config")
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            "actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=rollout_parity",
+            f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}",
+            "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_kl_loss=false"])
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def packed_logprobs(model, sequences):
+    """Per-token log p(next token), packed over sequences as verl's engine returns them."""
+    out = []
+    for ids in sequences:
+        logits = model(input_ids=ids.unsqueeze(0)).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        nxt = torch.roll(ids, -1)  # the engine rolls input_ids by -1
+        out.append(lp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
+    return torch.cat(out)
+
+
+def padded_response_logprobs(model, sequences, T):
+    rows = []
+    for ids, p, r in zip(sequences, PROMPT_LENS, RESPONSE_LENS):
+        logits = model(input_ids=ids.unsqueeze(0)).logits[0].float()
+        lp = torch.log_softmax(logits[p - 1:p + r - 1], dim=-1).gather(-1, ids[p:p + r].unsqueeze(-1)).squeeze(-1)
+        rows.append(torch.nn.functional.pad(lp, (0, T - r)))
+    return torch.stack(rows)
+
+
+def nested(rows):
+    return tu.nested_tensor_from_tensor_list(list(rows))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return transformers.AutoModelForCausalLM.from_pretrained(build_tiny_model(), torch_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("preset", ["tis_srs_k3", "verl_decoupled_token_is"])
+def test_one_update_through_verls_ppo_loss_moves_params_as_the_core_predicts(tiny, preset, loss_agg_mode):
+    torch.manual_seed(0)
+    cfg = CorrectionConfig.preset(preset)
+    if cfg.rollout_rejection is not None:  # a threshold that rejects some sequences of this batch
+        cfg = cfg.replace(rollout_rejection_threshold=0.02)
+    vocab = tiny.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, vocab, (p + r,), generator=g) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+    B, T = len(sequences), max(RESPONSE_LENS)
+    mask = (torch.arange(T)[None] < torch.tensor(RESPONSE_LENS)[:, None]).float()
+
+    model_verl, model_core = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    with torch.no_grad():
+        old = padded_response_logprobs(tiny, sequences, T)  # pi_old: the policy before the update
+    rollout = old + torch.randn(B, T, generator=g) * 0.1  # the engine's mismatched logprobs
+    advantages = torch.tensor([1.0, -0.7, 0.4, -1.2])
+
+    # driver: our correction, as the driver hook writes it into the batch
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
+    assert out.mask.sum() < mask.sum() or cfg.rollout_rejection is None
+    lens = RESPONSE_LENS
+    adv_tok = advantages[:, None] * mask
+
+    # verl: the micro-batch in verl's nested layout, the loss through verl's ppo_loss
+    adapter.set_active_config(cfg)
+    try:
+        data = tu.get_tensordict({
+            "prompts": nested(s[:p] for s, p in zip(sequences, PROMPT_LENS)),
+            "responses": nested(s[p:] for s, p in zip(sequences, PROMPT_LENS)),
+            "response_mask": nested(out.mask[i, :lens[i]] for i in range(B)),
+            "old_log_probs": nested(old[i, :lens[i]] for i in range(B)),
+            "rollout_log_probs": nested(rollout[i, :lens[i]] for i in range(B)),  # present, never passed on
+            "advantages": nested(adv_tok[i, :lens[i]] for i in range(B)),
+            "rollout_is_weights": nested(out.weights[i, :lens[i]] for i in range(B)),
+        })
+        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(mask.sum().item()), global_batch_size=B)
+        config = actor_config(loss_agg_mode)
+        loss_verl, metrics = ppo_loss(config, {"log_probs": packed_logprobs(model_verl, sequences)}, data)
+    finally:
+        adapter.set_active_config(None)
+    loss_verl.backward()
+    with torch.no_grad():
+        for p in model_verl.parameters():
+            p -= LR * p.grad
+
+    # core: padded tensors, verl's token count as the normaliser (the rollout's loss_mask)
+    current = padded_response_logprobs(model_core, sequences, T)
+    loss_core, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=advantages,
+                               correction=out, clip_ratio=0.2, clip_ratio_c=3.0, loss_agg_mode=loss_agg_mode,
+                               global_num_tokens=float(mask.sum()), global_num_seqs=float(B))
+    loss_core.backward()
+    with torch.no_grad():
+        for p in model_core.parameters():
+            p -= LR * p.grad
+
+    torch.testing.assert_close(loss_verl.detach(), loss_core.detach(), atol=1e-6, rtol=1e-6)
+    moved = 0.0
+    for (name, pv), pc, p0 in zip(model_verl.named_parameters(), model_core.parameters(), tiny.parameters()):
+        torch.testing.assert_close(pv, pc, atol=1e-6, rtol=1e-5, msg=name)
+        moved = max(moved, (pv - p0).abs().max().item())
+    assert moved > 1e-4, "the update did not move the parameters"
+    # verl's ppo_loss ran our registered loss: its metrics carry our policy/* keys next to verl's own
+    assert "actor/pg_loss" in metrics and "policy/pg_clipfrac" in metrics
