@@ -16,8 +16,8 @@ once (activation recomputation) and uses
 
 (g = upstream grad of logp, e = upstream grad of H), then dL/dh = (dL/dz / T) W and
 dL/dW = sum_i (dL/dz_i / T) h_i^T, accumulated chunk by chunk.  Memory beyond inputs and
-gradients: one (chunk, V) buffer reused for every chunk plus a scratch of 1/8 of it, and
-per-token vectors.  Inputs of lower precision are upcast per chunk (the weight once, a
+gradients: one (chunk, V) buffer reused for every chunk, a scratch of a few rows (entropy
+only) and per-token vectors.  Elementwise work runs in place, a few rows at a time.  Inputs of lower precision are upcast per chunk (the weight once, a
 (V, H) fp32 copy when it is not fp32 already); float64 inputs are kept in float64 (gradcheck).
 
 Under DeepSpeed ZeRO-3 pass the gathered weight (``deepspeed.zero.GatheredParameters``).
@@ -30,7 +30,15 @@ import torch
 __all__ = ["chunked_fp32_logprobs", "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_CHUNK_SIZE = 1024
-_SUBBLOCKS = 8  # elementwise passes run on 1/_SUBBLOCKS of a chunk at a time
+# Elementwise passes run on a few rows at a time (at most about 2 MiB, and at most 1/8 of
+# the chunk, which bounds the entropy scratch), so that after the first read the sub-block
+# stays in cache for the following in-place passes.
+_SUBBLOCK_BYTES = 1 << 21
+
+
+def _subblock_rows(rows: int, vocab: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, min(-(-rows // 8), _SUBBLOCK_BYTES // max(1, vocab * itemsize)))
 
 
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -62,7 +70,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ent = torch.empty(n, dtype=cdtype, device=dev) if want_entropy else None
         rows = min(chunk_size, max(n, 1))
         buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
-        sub = max(1, -(-rows // _SUBBLOCKS))
+        sub = _subblock_rows(rows, vocab, cdtype)
         scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if want_entropy else None
 
         for s in range(0, n, rows):
@@ -109,11 +117,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         g_ent = g_ent.to(cdtype) * inv_temp if use_ent else None
 
         grad_h = torch.empty(hidden.shape, dtype=cdtype, device=dev) if need_h else None
-        grad_w = torch.zeros(vocab, w.shape[1], dtype=cdtype, device=dev) if need_w else None
+        grad_w = None  # written by the first chunk's product, accumulated by the others
         grad_b = torch.zeros(vocab, dtype=cdtype, device=dev) if need_b else None
         rows = min(ctx.chunk_size, max(n, 1))
         buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
-        sub = max(1, -(-rows // _SUBBLOCKS))
+        sub = _subblock_rows(rows, vocab, cdtype)
         scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if use_ent else None
 
         for s in range(0, n, rows):
@@ -149,13 +157,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if row_scale is not None:
                     grad_h[s:e].mul_(row_scale)
             if need_w:
-                grad_w.addmm_(z.t(), hg)
+                if grad_w is None:
+                    grad_w = torch.mm(z.t(), hg)
+                else:
+                    grad_w.addmm_(z.t(), hg)
             if need_b:
                 if row_scale is None:
                     grad_b.add_(z.sum(0))
                 else:
                     grad_b.addmv_(z.t(), row_scale.squeeze(1))
 
+        if need_w and grad_w is None:  # no rows at all
+            grad_w = torch.zeros(vocab, w.shape[1], dtype=cdtype, device=dev)
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
