@@ -202,6 +202,20 @@ def test_apply_is_idempotent_and_refuses_unsupported_options_without_losing_stat
     assert trainer.__dict__[trl_adapter._STATE_ATTR] is state  # the refused config changed nothing
 
 
+def test_truncating_sampler_is_warned_about(run, caplog):
+    trainer, _ = run
+    original = trainer.rollout_correction
+    trainer.top_k = 5
+    try:
+        with caplog.at_level(logging.WARNING, logger="rollout_parity.adapters.trl"):
+            trl_adapter.apply(trainer, CorrectionConfig.preset("tis_srs_k3"))
+        assert "top_k=5" in caplog.text and "log(kept mass)" in caplog.text
+    finally:
+        trainer.top_k = 0
+        trl_adapter.apply(trainer, original)
+    assert trainer.rollout_correction == original
+
+
 def test_revert_restores_trl_behaviour(run):
     trainer, _ = run
     assert getattr(trainer.__dict__["_compute_loss"].__func__, "__rollout_parity_patch__", False)

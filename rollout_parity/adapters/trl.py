@@ -40,6 +40,9 @@ What TRL 1.16 does (read from ``trl/trainer/grpo_trainer.py``, ``grpo_config.py`
   ``enable_prefix_caching`` (vLLM V1 turns it on), no ``async_scheduling``, no
   ``hf_overrides``: we inject the recipe by wrapping that global while the trainer is built.
   Weight sync (``sync_weights``) loads every parameter and then resets the prefix cache.
+* Trainer log-probs are ``log_softmax(logits / temperature)`` over the whole vocabulary; with
+  ``top_k``/``top_p``/``min_p`` vLLM's processed logprobs are renormalised over the kept set, so
+  the two differ by log(kept mass). ``apply`` warns in that case (not corrected here).
 * fp32 head: ``cast_lm_head_to_fp32`` casts the trainer's (and reference's) ``lm_head`` to
   fp32 and tells the fused log-prob kernel (``add_fused_lm_head``) to project in fp32. The
   kernel reads ``lm_head.weight`` directly, not the module's forward, so a forward patch can
@@ -455,6 +458,12 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
         _patch_method(trainer, state, "_compute_loss", _diagnosed_compute_loss)
         _patch_method(trainer, state, "_get_per_token_logps_and_entropies", _capturing_logps)
 
+    if cfg.wants_metrics and _truncating_sampler(trainer):
+        logger.warning(
+            "rollout-parity: top_k=%s, top_p=%s, min_p=%s truncate vLLM's sampling distribution, but TRL's trainer "
+            "log-probs are the full temperature-scaled softmax; r_corr then carries a log(kept mass) bias that the "
+            "correction will treat as mismatch (see rollout_parity.sampler_logprobs).",
+            trainer.top_k, trainer.top_p, trainer.min_p)
     if trainer.use_vllm and getattr(trainer, "vllm_mode", None) == "colocate":
         llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
         if llm is not None:
@@ -468,6 +477,11 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
                     "`with parity_vllm_engine(...)` or use ParityGRPOTrainer.", ", ".join(failed))
     trainer.__dict__[_STATE_ATTR] = state
     return trainer
+
+
+def _truncating_sampler(trainer: Any) -> bool:
+    top_k, top_p, min_p = getattr(trainer, "top_k", 0), getattr(trainer, "top_p", 1.0), getattr(trainer, "min_p", None)
+    return (top_k not in (None, 0, -1)) or (top_p is not None and top_p < 1.0) or bool(min_p)
 
 
 def revert(trainer: Any) -> bool:
