@@ -1,0 +1,82 @@
+"""vLLM's default engine against the recipe: raw logprobs, and what verify_engine says.
+
+One engine per module: vLLM defaults except the fp32 head (so the comparison with the
+trainer is tight and the only semantic difference left is raw vs processed logprobs).
+Its counterpart with ``processed_logprobs`` is tested in test_vllm_parity.py.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # pragma: no cover
+    pytest.skip("needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engine)", allow_module_level=True)
+
+from vllm import SamplingParams  # noqa: E402
+
+from integration_tests.support.trainer_ref import completion_logits, load_hf, vllm_token_logprobs  # noqa: E402
+from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm  # noqa: E402
+from rollout_parity import sampler_logprobs, verify_engine  # noqa: E402
+from rollout_parity.core.vllm_recipe import EngineParityError, describe_engine  # noqa: E402
+from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    # No shim: this module never reloads weights, so the engine runs vLLM's own CPU kernels.
+    engine = make_llm(path, shim=False, hf_overrides={"head_dtype": "float32"})
+    yield engine
+    shutdown_llm(engine)
+
+
+def test_default_engine_resolves_to_raw_logprobs_and_prefix_caching(llm):
+    d = describe_engine(llm)
+    assert d["logprobs_mode"] == "raw_logprobs"
+    assert d["enable_prefix_caching"] is True
+    assert d["head_dtype"] == "float32"
+
+
+def test_verify_engine_flags_the_default_engine(llm):
+    held = verify_engine(llm, fp32_lm_head=True)
+    assert held == {"logprobs_mode": False, "async_scheduling_off": True, "prefix_caching_off": False,
+                    "fp32_lm_head": True}
+    with pytest.raises(EngineParityError) as err:
+        verify_engine(llm, strict=True)
+    assert "logprobs_mode=raw_logprobs" in str(err.value)
+    assert "enable_prefix_caching=True" in str(err.value)
+
+
+def test_raw_logprobs_ignore_temperature_and_filters(llm, path):
+    """Raw logprobs are log_softmax(logits), whatever the sampling params; processed are not."""
+    proc = dict(temperature=0.7, top_k=40, top_p=0.9)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (20,), generator=g).tolist() for _ in range(12)]
+    outs = llm.generate([{"prompt_token_ids": p, "cache_salt": uuid.uuid4().hex} for p in prompts],
+                        SamplingParams(max_tokens=24, logprobs=0, ignore_eos=True, **proc), use_tqdm=False)
+    sampled = [vllm_token_logprobs(o) for o in outs]
+    hf = load_hf(path)
+    logits = completion_logits(hf, prompts, [ids for ids, _ in sampled], fp32_head=True)
+    engine = torch.cat([lp for _, lp in sampled])
+    ids = [torch.tensor(i) for i, _ in sampled]
+    raw = torch.cat([torch.log_softmax(lg.float(), -1).gather(-1, i[:, None])[:, 0] for lg, i in zip(logits, ids)])
+    processed = torch.cat([sampler_logprobs(lg, i, **proc) for lg, i in zip(logits, ids)])
+    to_raw = (raw - engine).abs().mean()
+    to_processed = (processed - engine)[torch.isfinite(processed)].abs().mean()
+    print(f"raw engine: mean |delta| to raw {float(to_raw):.2e}, to processed {float(to_processed):.2e}")
+    assert to_raw <= 5e-3
+    assert to_processed >= 0.1
+    # Sampled tokens are drawn from the sharpened, renormalised distribution: on average
+    # their processed logprob is well above the raw one (the bias a raw rollout brings).
+    assert (processed - raw)[torch.isfinite(processed)].mean() > 0.1
