@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -309,10 +310,7 @@ def test_server_command_passes_trl_vllm_serve(tmp_path):
     from trl.scripts import vllm_serve
 
     cmd = server_command("my/model", fp32_lm_head=True)
-    argv = cmd.split(" ", 2)
-    assert argv[:2] == ["trl", "vllm-serve"]
-    import shlex
-
+    assert shlex.split(cmd)[:2] == ["trl", "vllm-serve"]
     parser = vllm_serve.make_parser()
     script_args, extra = parser.parse_args_and_config(shlex.split(cmd)[2:], return_remaining_strings=True)
     assert script_args.model == "my/model" and script_args.enable_prefix_caching is False
