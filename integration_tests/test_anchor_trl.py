@@ -10,7 +10,7 @@
    the batch's old logprobs) and compare ``inputs["importance_sampling_ratio"]`` with our
    weights: ``trl_default`` and the other TRL modes, mapped onto the shared flags.
 3. TRL's static ``get_off_policy_mask`` against our ``off_policy_sequence_mask_delta`` (rows
-   without a NaN sampler logprob: TRL and the core average a NaN differently, see the test).
+   included, the one with a NaN sampler logprob too).
 4. With an on-policy batch, the corrected loss equals TRL's own ``_compute_loss`` for each
    supported ``loss_type`` (dapo, bnpo, grpo): the aggregation mapping is TRL's.
 """
@@ -225,13 +225,10 @@ def test_trl_off_policy_mask_equals_ours(delta):
     ours = compute_correction(CorrectionConfig(off_policy_sequence_mask_delta=delta), old_logprobs=batch.old_logprobs,
                               rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
                               advantages=batch.advantages, current_logprobs=current, with_metrics=False)
-    # A NaN sampler logprob carries no evidence in both, but TRL averages it in as a zero drift over
-    # all tokens while the core averages over the finite tokens only, so rows with a NaN may differ.
-    finite_rows = ~(batch.rollout_logprobs.isnan() & batch.response_mask.bool()).any(-1)
-    assert finite_rows.sum() == B - 1
-    assert torch.equal(~ours.off_policy_masked[finite_rows], keep_trl[finite_rows])
+    # A NaN sampler logprob is a zero drift that still counts in the mean, in both.
+    assert torch.equal(~ours.off_policy_masked, keep_trl)
     if delta == 0.02:
-        assert ours.off_policy_masked[finite_rows].any()  # the batch crosses the mask
+        assert ours.off_policy_masked.any()  # the batch crosses the mask
 
 
 @pytest.mark.parametrize("loss_type", sorted(trl_adapter.SUPPORTED_LOSS_TYPES))

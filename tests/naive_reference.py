@@ -96,10 +96,10 @@ def naive_correction(cfg, old, rollout, mask, advantages=None, current=None):
                     for t in toks:
                         keep[i][t] = False
         if cfg.off_policy_sequence_mask_delta is not None:
-            # δ_i over the sequence's finite tokens (both logprobs of the mismatch finite).
+            # δ_i: mean over valid tokens; a token with a non-finite logprob drifts 0 (neutral).
             fin = [t for t in toks if all(math.isfinite(v) for v in (base[i][t], rollout[i][t]))]
             drift = [rollout[i][t] - current[i][t] for t in fin]
-            d = sum(drift) / len(drift) if drift else 0.0
+            d = sum(drift) / len(toks) if toks else 0.0
             adv = advantages[i] if not isinstance(advantages[i], list) else (
                 sum(advantages[i][t] for t in toks) / len(toks) if toks else 0.0)
             if d > cfg.off_policy_sequence_mask_delta and adv < 0:

@@ -225,11 +225,11 @@ def compute_correction(
         behaviour = rollout_logprobs if rollout_logprobs is not None else old_logprobs
         if behaviour is None:
             raise ValueError("off_policy_sequence_mask_delta needs rollout_logprobs or old_logprobs")
-        # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's finite tokens.
-        n_finite = stats.finite_per_seq.clamp_min(1.0)
+        # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's valid tokens; a token with a
+        # non-finite logprob is neutral (drift 0) but still counted, as TRL does for a NaN.
         behaviour_name = "rollout" if rollout_logprobs is not None else "old"
         delta = (stats.finite_row_sum(behaviour_name, behaviour) - stats.finite_row_sum("current", current_logprobs)
-                 ) / n_finite
+                 ) / stats.tokens_per_seq.clamp_min(1.0)
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, valid_f) < 0)
         keep = keep & ~off_policy.unsqueeze(-1)
 
