@@ -1,0 +1,117 @@
+"""The vLLM recipe without an engine: kwargs, flags, YAML, version gating, verify_engine on stand-ins."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from rollout_parity.core import vllm_recipe as vr
+from rollout_parity.core.vllm_recipe import (
+    EngineParityError,
+    VllmKnobMissingError,
+    load_recipe,
+    verify_engine,
+    vllm_parity_kwargs,
+    vllm_serve_flags,
+)
+
+
+def test_recipe_kwargs_match_the_seed():
+    assert vllm_parity_kwargs(vllm_version="0.31.0") == {
+        "logprobs_mode": "processed_logprobs", "enable_prefix_caching": False, "async_scheduling": False}
+    kw = vllm_parity_kwargs(True, "salt", vllm_version="0.31.0", gpu_memory_utilization=0.2,
+                            hf_overrides={"rope_theta": 1e6})
+    assert kw["enable_prefix_caching"] is True
+    assert kw["hf_overrides"] == {"rope_theta": 1e6, "head_dtype": "float32"}
+    assert kw["gpu_memory_utilization"] == 0.2
+
+
+@pytest.mark.parametrize("bad", [dict(enable_prefix_caching=True), dict(logprobs_mode="raw_logprobs"),
+                                 dict(async_scheduling=True)])
+def test_contradicting_overrides_are_rejected(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        vllm_parity_kwargs(vllm_version="0.31.0", **bad)
+
+
+def test_version_gating():
+    with pytest.raises(VllmKnobMissingError, match="head_dtype.*0.31"):
+        vllm_parity_kwargs(fp32_lm_head=True, vllm_version="0.30.2")
+    assert "hf_overrides" not in vllm_parity_kwargs(vllm_version="0.30.2")
+    with pytest.raises(VllmKnobMissingError, match="logprobs_mode"):
+        vllm_parity_kwargs(vllm_version="0.9.2")
+    with pytest.raises(ValueError, match="head_dtype"):
+        vllm_parity_kwargs(True, vllm_version="0.31.0", hf_overrides={"head_dtype": "bfloat16"})
+    assert vr._parse_version("0.31.0+cpu") == (0, 31, 0)
+    assert vr._parse_version("0.10.1rc2.dev3") == (0, 10, 1)
+
+
+def test_policy_names():
+    assert vr.normalize_prefix_cache_policy(False) == "off"  # YAML's bare `off`
+    with pytest.raises(ValueError, match="prefix_cache_policy"):
+        vllm_parity_kwargs(prefix_cache_policy="sometimes")
+
+
+def test_serve_flags_parse_in_vllm_own_cli():
+    flags = vllm_serve_flags(fp32_lm_head=True, vllm_version="0.31.0")
+    assert flags == ["--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
+                     "--no-async-scheduling", "--hf-overrides", '{"head_dtype": "float32"}']
+    assert vllm_serve_flags(style="trl", vllm_version="0.31.0")[:2] == ["--enable_prefix_caching", "False"]
+    pytest.importorskip("vllm")
+    # vLLM's own parser must turn the flags back into the recipe's engine kwargs.
+    code = (
+        "import json,sys\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "p = EngineArgs.add_cli_args(FlexibleArgumentParser())\n"
+        "a = p.parse_args(['--model', 'x'] + json.loads(sys.argv[1]))\n"
+        "print(json.dumps([a.logprobs_mode, a.enable_prefix_caching, a.async_scheduling, a.hf_overrides]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(flags)], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 and "argparse_utils" in out.stderr:
+        pytest.skip("vLLM's FlexibleArgumentParser moved")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+        "processed_logprobs", False, False, {"head_dtype": "float32"}]
+
+
+def test_yaml_recipe_equals_the_code():
+    assert load_recipe() == vr._recipe_as_mapping()
+    r = load_recipe()
+    assert vllm_parity_kwargs(r["fp32_lm_head"], r["prefix_cache_policy"], vllm_version="0.31.0") == r["engine"]
+
+
+def _engine(logprobs_mode="processed_logprobs", prefix=False, async_=False, head="float32", wrap="llm"):
+    mc = SimpleNamespace(logprobs_mode=logprobs_mode, head_dtype=head, dtype="torch.bfloat16")
+    vc = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(enable_prefix_caching=prefix),
+                         scheduler_config=SimpleNamespace(async_scheduling=async_))
+    if wrap == "llm":  # vllm.LLM -> llm_engine.vllm_config
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=vc))
+    return SimpleNamespace(vllm_config=vc)  # AsyncLLM
+
+
+@pytest.mark.parametrize("wrap", ["llm", "async"])
+def test_verify_engine_on_stand_ins(wrap):
+    assert all(verify_engine(_engine(wrap=wrap), fp32_lm_head=True, strict=True).values())
+    bad = _engine("raw_logprobs", True, True, "bfloat16", wrap)
+    held = verify_engine(bad, fp32_lm_head=True)
+    assert held == {"logprobs_mode": False, "async_scheduling_off": False, "prefix_caching_off": False,
+                    "fp32_lm_head": False}
+    with pytest.raises(EngineParityError, match="logprobs_mode=raw_logprobs.*async_scheduling.*head dtype bfloat16"):
+        verify_engine(bad, fp32_lm_head=True, strict=True)
+    # Under reset/salt the cache may stay on.
+    assert "prefix_caching_off" not in verify_engine(_engine(prefix=True, wrap=wrap), prefix_cache_policy="salt")
+
+
+def test_verify_engine_rejects_non_engines():
+    with pytest.raises(TypeError, match="vllm_config"):
+        verify_engine(object())
+
+
+def test_module_does_not_import_vllm():
+    code = "import sys, rollout_parity.core.vllm_recipe as m; m.vllm_parity_kwargs(); print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

@@ -1,0 +1,105 @@
+"""The weight-update helper's protocol on stand-in engines (the real engine: integration_tests)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout_parity.core.weight_update import WeightVersion, update_weights_in_flight, update_weights_sync
+
+
+class FakeAsyncEngine:
+    def __init__(self):
+        self.calls = []
+
+    async def pause_generation(self, *, mode="abort", wait_for_inflight_requests=None, clear_cache=True):
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+    async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        self.calls.append(("reset", reset_running_requests))
+        return True
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("rpc", method, args, kwargs))
+        return ["ok"]
+
+
+@pytest.mark.parametrize("policy,expect_reset", [("off", False), ("reset", True), ("salt", False)])
+def test_in_flight_update_order(policy, expect_reset):
+    eng, version = FakeAsyncEngine(), WeightVersion()
+
+    async def load(x):
+        eng.calls.append(("load", x))
+        return 7
+
+    result = asyncio.run(update_weights_in_flight(eng, load, load_args=(3,), prefix_cache_policy=policy,
+                                                  version=version))
+    assert result == 7 and version.value == 1
+    expected = [("pause", "keep", False), ("load", 3)] + ([("reset", True)] if expect_reset else []) + [("resume",)]
+    assert eng.calls == expected
+
+
+def test_collective_rpc_loader_and_resume_on_failure():
+    eng = FakeAsyncEngine()
+    assert asyncio.run(update_weights_in_flight(eng, "receive_weight_update", load_args=("{}",))) == ["ok"]
+    assert eng.calls[1] == ("rpc", "receive_weight_update", ("{}",), None)
+
+    eng, version = FakeAsyncEngine(), WeightVersion(4)
+
+    def boom():
+        raise RuntimeError("nccl died")
+
+    with pytest.raises(RuntimeError, match="nccl died"):
+        asyncio.run(update_weights_in_flight(eng, boom, prefix_cache_policy="salt", version=version))
+    assert eng.calls[-1] == ("resume",) and version.value == 4  # resumed, version not bumped
+
+
+def test_salt_needs_a_version_and_old_pause_api_is_refused():
+    with pytest.raises(ValueError, match="WeightVersion"):
+        asyncio.run(update_weights_in_flight(FakeAsyncEngine(), lambda: None, prefix_cache_policy="salt"))
+
+    class Old(FakeAsyncEngine):
+        async def pause_generation(self, *, wait_for_inflight_requests=False, clear_cache=True):
+            pass
+
+    with pytest.raises(TypeError, match="mode"):
+        asyncio.run(update_weights_in_flight(Old(), lambda: None))
+    with pytest.raises(TypeError, match="pause_generation"):
+        asyncio.run(update_weights_in_flight(object(), lambda: None))
+
+
+def test_sync_update_resets_and_bumps():
+    calls = []
+
+    class LLM:
+        def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+            calls.append(("reset", reset_running_requests))
+            return True
+
+    v = WeightVersion()
+    update_weights_sync(LLM(), lambda: calls.append("load"), prefix_cache_policy="reset", version=v)
+    assert calls == ["load", ("reset", True)] and v.value == 1
+
+    class Refusing(LLM):
+        def reset_prefix_cache(self, *a, **k):
+            return False
+
+    with pytest.raises(RuntimeError, match="refused"):
+        update_weights_sync(Refusing(), lambda: None, prefix_cache_policy="reset")
+
+
+def test_weight_version_stamps():
+    v = WeightVersion()
+    assert v.stamp("hi") == {"prompt": "hi", "cache_salt": "rollout-parity-weights-v0"}
+    assert v.stamp([1, 2]) == {"prompt_token_ids": [1, 2], "cache_salt": "rollout-parity-weights-v0"}
+    v.bump()
+    assert v.stamp({"prompt": "x", "cache_salt": "tenant"})["cache_salt"] == "tenant|rollout-parity-weights-v1"
+    assert v.stamp_request_body({"model": "m"})["cache_salt"] == v.salt
+    with pytest.raises(ValueError, match="back"):
+        v.bump(to=0)
+    with pytest.raises(TypeError, match="prompt"):
+        v.stamp(3.5)
