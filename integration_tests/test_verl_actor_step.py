@@ -8,16 +8,21 @@ engine lays them out, verl's ``ppo_loss`` turns them into a loss, and one SGD st
 parameters; an independent copy of the model updated with the core's
 ``compute_correction`` + ``policy_loss`` on padded tensors must land on the same parameters.
 
-The FSDP engine itself is not driven: verl 0.9.1 has no CPU platform (``get_device_name()``
-is ``"cuda"`` on a CPU-only machine and the engine calls the CUDA device module), see the
-report in docs/verl.md.
+The second test drives verl's own FSDP actor (``TrainingWorker`` -> ``FSDPEngineWithLMHead``,
+FSDP2 over one gloo rank) in a subprocess, with a test-only CPU platform registered through
+verl's platform registry (integration_tests/support/verl_cpu_platform.py): verl 0.9.1 has no
+CPU platform of its own.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +151,24 @@ def test_one_update_through_verls_ppo_loss_moves_params_as_the_core_predicts(tin
     assert moved > 1e-4, "the update did not move the parameters"
     # verl's ppo_loss ran our registered loss: its metrics carry our policy/* keys next to verl's own
     assert "actor/pg_loss" in metrics and "policy/pg_clipfrac" in metrics
+
+
+@pytest.mark.parametrize("preset, fp32_head", [("tis_srs_k3", True), ("verl_decoupled_token_is", False)])
+def test_one_update_of_verls_own_fsdp_actor_on_cpu_moves_params_as_the_core_predicts(preset, fp32_head):
+    """TrainingWorker.train_mini_batch -> FSDP2 engine -> ppo_loss -> our loss -> SGD step, vs the core."""
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "integration_tests.support.verl_actor_step_cpu", preset]
+    if fp32_head:
+        cmd.append("--fp32-lm-head")
+    env = dict(os.environ, MASTER_PORT=str(29500 + (os.getpid() % 400)))
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT_JSON ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT_JSON "))
+    assert result["engine"] == "FSDPEngineWithLMHead"
+    assert result["verl_loss"] == pytest.approx(result["core_loss"], abs=1e-6)
+    assert result["max_param_diff"] < 1e-6 and result["moved"] > 1e-3
+    assert result["fp32_head_applied"] is fp32_head  # our hook on verl's model build
+    assert "policy/pg_clipfrac" in result["metric_keys"]  # verl ran our registered loss
+    if preset == "tis_srs_k3":
+        assert result["rejected_tokens"] > 0
