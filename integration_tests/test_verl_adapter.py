@@ -452,3 +452,84 @@ def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(active):
     hidden = torch.randn(2, 3, with_head.config.hidden_size, dtype=torch.bfloat16)
     assert is_fp32_lm_head(with_head) and with_head.get_output_embeddings()(hidden).dtype == torch.float32
     assert not is_fp32_lm_head(without) and without.get_output_embeddings()(hidden).dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- baselines (verl#6362)
+
+def grpo_batch(seed=0, groups=2, n=4, T=6):
+    g = torch.Generator().manual_seed(seed)
+    B = groups * n
+    lengths = torch.randint(3, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    old = -torch.rand(B, T, generator=g) * 2 - 0.05
+    rollout = old + torch.randn(B, T, generator=g) * 0.01
+    rollout[1] += 0.4  # whole sequences far off: seq_sum_k3 rejects them
+    rollout[6] -= 0.5
+    rewards = torch.zeros(B, T)
+    rewards[torch.arange(B), lengths - 1] = torch.tensor([1.0, 5.0, 0.0, 1.0, 0.0, 1.0, -3.0, 1.0])
+    uid = [f"prompt{i // n}" for i in range(B)]
+    return old, rollout, mask, rewards, uid
+
+
+def naive_grpo(scores, mask, uid, kept_rows, eps=1e-6):
+    adv = torch.zeros_like(mask)
+    for i in range(len(uid)):
+        if not kept_rows[i]:
+            continue
+        siblings = torch.stack([scores[j] for j in range(len(uid)) if uid[j] == uid[i] and kept_rows[j]])
+        mean, std = siblings.mean(), siblings.std() if len(siblings) > 1 else torch.tensor(1.0)
+        if len(siblings) == 1:
+            mean = torch.tensor(0.0)
+        adv[i] = (scores[i] - mean) / (std + eps) * mask[i]
+    return adv
+
+
+def test_rejected_sequences_leave_verls_grpo_baselines(active):
+    """Driver hook, then verl's own compute_advantage (GRPO): rejected siblings do not move the baseline."""
+    import numpy as np
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    cfg = active(CorrectionConfig(rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.05))
+    old, rollout, mask, rewards, uid = grpo_batch()
+
+    def proto():
+        p = DataProto.from_dict(tensors={"old_log_probs": old.clone(), "rollout_log_probs": rollout.clone(),
+                                         "response_mask": mask.clone(), "token_level_rewards": rewards.clone()},
+                                non_tensors={"uid": np.array(uid, dtype=object)})
+        return p
+
+    ours, _ = helper.compute_rollout_correction_and_add_to_batch(proto(), {"rollout_is": None, "rollout_rs": None})
+    kept_rows = ours.batch["response_mask"].bool().any(-1)
+    assert kept_rows.tolist() == [True, False, True, True, True, True, False, True]
+    ours = compute_advantage(ours, adv_estimator="grpo", num_repeat=4)
+    expected = naive_grpo(rewards.sum(-1), ours.batch["response_mask"], uid, kept_rows)
+    torch.testing.assert_close(ours.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
+
+    # the leak the hook closes: verl's own path keeps the rejected rewards in the group statistics
+    original = getattr(helper.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
+    theirs, _ = original(proto(), adapter.verl_equivalent(cfg))
+    theirs = compute_advantage(theirs, adv_estimator="grpo", num_repeat=4)
+    torch.testing.assert_close(theirs.batch["response_mask"], ours.batch["response_mask"])
+    assert not torch.allclose(theirs.batch["advantages"], expected, atol=1e-3)
+
+
+def test_a_rejected_reward_token_leaves_the_score(active):
+    """Token-level rejection of the final (reward) token: the outcome reward is masked like the token."""
+    import numpy as np
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    active(CorrectionConfig(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02))
+    old, rollout, mask, rewards, uid = grpo_batch(1)
+    rollout = old.clone()
+    last = mask.sum(-1).long() - 1
+    rollout[0, last[0]] += 1.0  # only row 0's reward token is off
+    proto = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                         "token_level_rewards": rewards}, non_tensors={"uid": np.array(uid, dtype=object)})
+    out, _ = helper.compute_rollout_correction_and_add_to_batch(proto, {"rollout_is": None, "rollout_rs": None})
+    new_mask = out.batch["response_mask"]
+    assert new_mask[0, last[0]] == 0 and new_mask.sum() == mask.sum() - 1
+    out = compute_advantage(out, adv_estimator="grpo", num_repeat=4)
+    scores = rewards.sum(-1)
+    scores[0] = 0.0  # its reward token was rejected
+    expected = naive_grpo(scores, new_mask, uid, torch.ones(len(uid), dtype=torch.bool))
+    torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-5, rtol=1e-5)

@@ -19,9 +19,12 @@ into verl through its own extension points only (no fork):
   reach every Ray actor: verl's ``ActorConfig`` is a closed dataclass).
 * **Policy loss** (workers): ``register_policy_loss("rollout_parity")`` at import.
 * **Driver** (decoupled mode): verl's own ``compute_rollout_correction_and_add_to_batch``
-  is wrapped. It runs in ``_compute_advantage`` *before* the advantages (verl#6362), so
-  our rejected tokens leave ``response_mask`` and hence the group baselines too; our IS
-  weights go into the batch's ``rollout_is_weights``. Without our flags the original runs.
+  is wrapped. It runs in ``_compute_advantage`` *before* the advantages, so our rejected
+  tokens leave ``response_mask``; our IS weights go into the batch's ``rollout_is_weights``.
+  verl 0.9.1's outcome estimators (GRPO, RLOO) ignore the mask when they sum
+  ``token_level_rewards`` and group rows by ``uid`` (verl#6362, verl#6452), so the hook also
+  masks those rewards and gives a fully rejected row a uid of its own: rejected tokens and
+  sequences leave the group baselines too. Without our flags the original runs.
 * **fp32 lm_head** (workers): ``FSDPEngine._build_module`` is wrapped so
   ``apply_fp32_lm_head`` runs on the loaded HF model before LoRA/QAT and FSDP wrapping.
 Every patch keeps its original, is marked, is idempotent, and :func:`uninstall` restores it.
@@ -423,8 +426,33 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
     tensors["response_mask"] = out.mask
     if cfg.rollout_importance_sampling_mode is not None:
         tensors["rollout_is_weights"] = out.weights.to(torch.float32)
+    if cfg.rollout_rejection is not None:
+        _keep_rejected_out_of_baselines(batch, response_mask, out.mask)
     metrics = {k: v for k, v in out.metrics.items() if k.split("/", 1)[-1] not in _METRICS_NEED_POLICY}
     return batch, metrics
+
+
+def _keep_rejected_out_of_baselines(batch: Any, before: torch.Tensor, after: torch.Tensor) -> None:
+    """Make verl's outcome estimators ignore what rejection removed (verl#6362, verl#6452).
+
+    verl 0.9.1's GRPO/RLOO sum ``token_level_rewards`` without the mask and group rows by
+    ``uid``, so a masked reward token, or a fully rejected sibling, still moves the baseline
+    of the accepted responses. Rewards are masked with the corrected mask, and a fully
+    rejected row gets a uid of its own (it trains nothing: its mask is all zero).
+    """
+    tensors = batch.batch
+    if "token_level_rewards" in tensors.keys():
+        rewards = tensors["token_level_rewards"]
+        tensors["token_level_rewards"] = rewards * after.to(rewards.dtype)
+    uids = getattr(batch, "non_tensor_batch", {}).get("uid")
+    if uids is not None:
+        dropped = (before.bool().any(dim=-1) & ~after.bool().any(dim=-1)).tolist()
+        if any(dropped):
+            uids = uids.copy()
+            for i, gone in enumerate(dropped):
+                if gone:
+                    uids[i] = f"{uids[i]}#rollout_parity_rejected_{i}"
+            batch.non_tensor_batch["uid"] = uids
 
 
 def _wrap_helper(original: Callable) -> Callable:
