@@ -533,3 +533,31 @@ def test_a_rejected_reward_token_leaves_the_score(active):
     scores[0] = 0.0  # its reward token was rejected
     expected = naive_grpo(scores, new_mask, uid, torch.ones(len(uid), dtype=torch.bool))
     torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_verls_v1_driver_step_runs_our_correction_before_grpo():
+    """verl's own PPOTrainer._compute_advantage (V1 trainer), TransferQueue stood in by a dict."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "integration_tests.support.verl_v1_driver"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT_JSON ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT_JSON "))
+    assert result["patched"]  # the module-level import in trainer_base sees our hook
+    assert result["mask_equal"] and result["weights_max_diff"] < 1e-6
+    assert result["rejected_rows"] == [1, 6]
+    assert result["adv_max_diff"] < 1e-5  # GRPO over the kept siblings only
+    assert result["metrics_equal"] and "rollout_correction/rejected_seq_frac" in result["metric_keys"]
+
+
+def test_missing_verl_is_an_import_error_naming_the_extra():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['verl'] = None\n"
+            "try:\n    import rollout_parity.adapters.verl\nexcept ImportError as e:\n    print('MSG', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install rollout-parity[verl]" in proc.stdout, proc.stderr[-2000:]

@@ -1,0 +1,126 @@
+"""Test support: verl 0.9.1's V1 driver step ``_compute_advantage`` with our driver hook.
+
+verl's default trainer (``trainer.use_v1``) keeps the batch in a TransferQueue; the package
+``transfer_queue`` is not installed here, so a dict-backed stand-in with the two calls the
+method makes (``kv_batch_get``/``kv_batch_put``) is put in ``sys.modules`` before verl's
+trainer module is imported. Everything else is verl's own code: the nested-to-padded
+round trip, the correction call, GRPO advantages and the write-back. Run in its own process;
+prints one JSON line.
+
+    python -m integration_tests.support.verl_v1_driver
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+
+class _Meta:
+    def __init__(self, keys, partition_id="train"):
+        self.keys, self.partition_id, self.extra_info = list(keys), partition_id, {}
+
+    def __len__(self):
+        return len(self.keys)
+
+
+def _stub_transfer_queue(store: dict):
+    tq = types.ModuleType("transfer_queue")
+    tq.KVBatchMeta = _Meta
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        from tensordict import TensorDict
+
+        from verl.utils import tensordict_utils as tu
+
+        present = {f: store[f] for f in select_fields if f in store}
+        uid = present.pop("uid", None)
+        td = TensorDict(present, batch_size=[len(keys)])
+        if uid is not None:
+            tu.assign_non_tensor_stack(td, "uid", uid)
+        return td
+
+    def kv_batch_put(keys, partition_id, fields):
+        for name in fields.keys():
+            store[name] = fields[name]
+        return _Meta(keys, partition_id)
+
+    tq.kv_batch_get, tq.kv_batch_put = kv_batch_get, kv_batch_put
+    return tq
+
+
+def main() -> dict:
+    store: dict = {}
+    try:
+        import transfer_queue  # noqa: F401
+        raise SystemExit("transfer_queue is installed: this stand-in would shadow it")
+    except ImportError:
+        sys.modules["transfer_queue"] = _stub_transfer_queue(store)
+
+    import torch
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import trainer_base
+
+    from rollout_parity import CorrectionConfig, compute_correction
+    from rollout_parity.adapters import verl as adapter
+
+    patched = hasattr(trainer_base.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.5,
+                           rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.05)
+    adapter.set_active_config(cfg)
+
+    g = torch.Generator().manual_seed(0)
+    n, groups, T = 4, 2, 6
+    B = n * groups
+    lengths = torch.randint(3, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    old = -torch.rand(B, T, generator=g) * 2 - 0.05
+    rollout = old + torch.randn(B, T, generator=g) * 0.02
+    rollout[1] += 0.4
+    rollout[6] -= 0.5
+    scores = torch.tensor([1.0, 5.0, 0.0, 1.0, 0.0, 1.0, -3.0, 1.0])
+    rewards = torch.zeros(B, T)
+    rewards[torch.arange(B), lengths - 1] = scores
+    uid = [f"p{i // n}" for i in range(B)]
+
+    def nested(t):
+        return torch.nested.as_nested_tensor([t[i, :lengths[i]] for i in range(B)], layout=torch.jagged)
+
+    store.update(response_mask=nested(mask.long()), rm_scores=nested(rewards), rollout_log_probs=nested(rollout),
+                 old_log_probs=nested(old), uid=uid)
+    keys = [f"{uid[i]}_{i % n}_0" for i in range(B)]
+    config = OmegaConf.create({
+        "algorithm": {"adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,
+                      "use_kl_in_reward": False,
+                      "rollout_correction": {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_rs": None,
+                                             "rollout_rs_threshold": None, "bypass_mode": False}},
+        "actor_rollout_ref": {"rollout": {"n": n}},
+    })
+    metrics: dict = {}
+    trainer_base.PPOTrainer._compute_advantage(types.SimpleNamespace(config=config), _Meta(keys), metrics)
+
+    def padded(name):
+        return torch.nested.to_padded_tensor(store[name], 0.0) if store[name].is_nested else store[name]
+
+    core = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask, with_metrics=True)
+    kept = core.mask.bool().any(-1)
+    expected_adv = torch.zeros(B, T)
+    for i in range(B):
+        if kept[i]:
+            sib = torch.stack([scores[j] for j in range(B) if uid[j] == uid[i] and kept[j]])
+            expected_adv[i] = (scores[i] - sib.mean()) / (sib.std() + 1e-6) * core.mask[i]
+    return {
+        "patched": patched,
+        "mask_equal": torch.equal(padded("response_mask").float(), core.mask),
+        "weights_max_diff": (padded("rollout_is_weights") - core.weights).abs().max().item(),
+        "adv_max_diff": (padded("advantages") - expected_adv).abs().max().item(),
+        "rejected_rows": (~kept).nonzero().flatten().tolist(),
+        "metrics_equal": all(abs(metrics[k] - v) <= 1e-6 for k, v in core.metrics.items()
+                             if k in metrics),
+        "metric_keys": sorted(metrics),
+    }
+
+
+if __name__ == "__main__":
+    print("RESULT_JSON " + json.dumps(main()))
