@@ -14,6 +14,8 @@ Rows (each one engine unless said otherwise; the trainer is always transformers 
     b  + processed logprobs                                               trainer head bf16
     c  + prefix cache off, async scheduling off (the recipe, bf16 head)   trainer head bf16
     d  + fp32 lm_head on both sides (the full recipe)                     trainer head fp32
+    d/vllm-only   row d's rollouts scored by a bf16 trainer head: fp32 on one side only
+                  (no extra engine or sampling; shows why the head must be fp32 on *both*)
     d/reset, d/salt   the recipe with the prefix cache kept on and guarded across weight
                       updates (one shared engine): the throughput cost of ``off`` is the gap
                       between these rows and row d.
@@ -64,7 +66,7 @@ class DoctorOptions:
     min_p: float = 0.0
     seed: int = 0
     gpu_memory_utilization: float = 0.1
-    rows: tuple[str, ...] = ("a", "b", "c", "d", "d/reset", "d/salt")
+    rows: tuple[str, ...] = ("a", "b", "c", "d", "d/vllm-only", "d/reset", "d/salt")
     progress: bool = True
     trainer_batch: int = 32
 
@@ -107,6 +109,8 @@ ROW_SPECS: dict[str, RowSpec] = {
                 "engine: vllm_parity_kwargs(); trainer bf16 head"),
         RowSpec("d", "+ fp32 head both sides", "recipe_fp32", True, "off",
                 "engine: vllm_parity_kwargs(fp32_lm_head=True); trainer apply_fp32_lm_head"),
+        RowSpec("d/vllm-only", "fp32 head in vLLM only", "recipe_fp32", False, "off",
+                "row d's rollouts (same engine, no new sampling); trainer bf16 head: one-sided fp32"),
         RowSpec("d/reset", "recipe, cache on + reset", "recipe_fp32_cached", True, "reset",
                 "engine: recipe, fp32 head, prefix cache on; reset after each update (shared engine)"),
         RowSpec("d/salt", "recipe, cache on + salt", "recipe_fp32_cached", True, "salt",
@@ -334,7 +338,7 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
     for s in specs:
         if s.engine not in engine_order:
             engine_order.append(s.engine)
-    total_ticks = sum(opts.steps + 1 for _ in specs) + len(engine_order)
+    total_ticks = len(specs) + len(engine_order) + opts.steps * len({(s.engine, s.policy) for s in specs})
     bar = tqdm(total=total_ticks, desc="doctor", disable=not opts.progress, file=sys.stderr)
 
     rows: list[dict[str, Any]] = []
@@ -353,9 +357,12 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
         bar.update(1)
         try:
             resolved = describe_engine(llm)
+            sampled: dict[str, _Rollouts] = {}  # rows differing only in the trainer share rollouts
             for spec in (s for s in specs if s.engine == key):
                 bar.set_postfix_str(f"row {spec.name}")
-                roll = _sample_row(llm, tokenizer, spec, opts, lambda: bar.update(1))
+                if spec.policy not in sampled:
+                    sampled[spec.policy] = _sample_row(llm, tokenizer, spec, opts, lambda: bar.update(1))
+                roll = sampled[spec.policy]
                 held = verify_engine(llm, fp32_lm_head=spec.trainer_fp32_head,
                                      prefix_cache_policy=spec.policy)
                 trainer_lp, mask, outside = _trainer_logprobs(trainer, roll, spec.trainer_fp32_head, opts)
@@ -470,8 +477,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
     lines.append("how each row was produced:")
+    name_w = max((len(r["row"]) for r in report["rows"]), default=3)
     for r in report["rows"]:
-        lines.append(f"  {r['row']:<8} {r['how']}")
+        lines.append(f"  {r['row']:<{name_w}}  {r['how']}")
     s = report["sampling"]
     lines.append(
         f"model {report['model']} | vLLM {report['vllm_version']} | T={s['temperature']} top_k={s['top_k']} "

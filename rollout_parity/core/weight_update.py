@@ -146,8 +146,10 @@ async def update_weights_in_flight(
 ) -> Any:
     """Pause an ``AsyncLLM``, load new weights, apply the prefix-cache policy, resume.
 
-    ``load``: a callable (sync or async, called with ``load_args``/``load_kwargs``) or the
-    name of a worker method for ``engine.collective_rpc``. Returns what ``load`` returned.
+    ``load``: a callable run here (sync or async, called with ``load_args``/``load_kwargs``;
+    it may itself await ``engine.collective_rpc(fn, args=...)`` to run ``fn`` on the
+    workers), or the name of a worker method, called as
+    ``engine.collective_rpc(load, args=load_args, kwargs=load_kwargs)``. Returns what ``load`` returned.
     ``version`` (required for ``salt``) is bumped after a successful load, so requests
     stamped afterwards carry the new salt. ``resume_generation`` always runs.
     """
