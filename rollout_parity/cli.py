@@ -3,7 +3,7 @@
     rollout-parity doctor [--model PATH] [--json PATH] [--plot PATH] [--preset NAME]
                           [--num-prompts N] [--samples N] [--max-tokens N] [--steps N]
                           [--temperature T] [--top-k K] [--top-p P] [--min-p P]
-                          [--rows a,b,c,d,d/reset,d/salt] [--fail-above X] [--no-progress]
+                          [--rows a,b,c,d,d/vllm-only,d/reset,d/salt] [--fail-above X] [--no-progress]
 
 See ``rollout_parity/doctor.py`` for what each row measures.
 """
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--gpu-memory-utilization", type=float, default=0.1,
                    help="vLLM memory share (on CPU: of RAM for the KV cache); default 0.1")
-    d.add_argument("--rows", default="a,b,c,d,d/reset,d/salt", help="comma-separated rows to run")
+    d.add_argument("--rows", default="a,b,c,d,d/vllm-only,d/reset,d/salt", help="comma-separated rows to run")
     d.add_argument("--fail-above", type=float, default=None,
                    help="exit 1 if the recipe row (d) has mean |delta| above this")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
