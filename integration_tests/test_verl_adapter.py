@@ -561,3 +561,28 @@ def test_missing_verl_is_an_import_error_naming_the_extra():
             "try:\n    import rollout_parity.adapters.verl\nexcept ImportError as e:\n    print('MSG', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install rollout-parity[verl]" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_example_command_line_passes_verls_validation():
+    """examples/verl_ppo.sh: its overrides compose, configure and pass verl's own validate_config."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    import verl.utils.config as verl_config
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    script = (Path(__file__).resolve().parents[1] / "examples" / "verl_ppo.sh").read_text()
+    command = script[script.index("python3 -m verl.trainer.main_ppo"):].split('"$@"')[0]
+    command = command.replace("$DATA", "/data/gsm8k").replace("$MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
+    overrides = [tok for tok in shlex.split(re.sub(r"\\\n", " ", command))[3:]]
+    assert overrides[-1] == "+rollout_parity.preset=tis_srs_k3"
+    with initialize_config_dir(config_dir=os.path.abspath(VERL_CONFIG_DIR), version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=overrides)
+    try:
+        verl_config.validate_config(config, use_reference_policy=need_reference_policy(config),
+                                    use_critic=need_critic(config))
+        assert adapter.active_config() == CorrectionConfig.preset("tis_srs_k3")
+    finally:
+        adapter.set_active_config(None)
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "rollout_parity"

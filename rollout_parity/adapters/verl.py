@@ -272,6 +272,8 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         ray_init.runtime_env.env_vars[ENV_CONFIG] = payload
         config[CONFIG_KEY] = cfg.to_dict()
     set_active_config(cfg)
+    # One visible line at start: a silently ignored +rollout_parity block would be the worst failure.
+    print(f"[rollout-parity] verl configured: loss_mode={LOSS_NAME}, flags={payload}", flush=True)
     if cfg.off_policy_sequence_mask_delta is not None and cfg.old_logprob_source == "recompute":
         logger.warning(
             "off_policy_sequence_mask_delta in verl decoupled mode: the loss does not see rollout logprobs, "
