@@ -58,7 +58,7 @@ the parity recipe. Known verl behaviour kept as is: V1 normalises ``token-mean``
 rollout's ``loss_mask`` token count, which rejection does not shrink (as for verl's own
 ``rollout_rs``).
 
-Math: ../../DESIGN.md and the core (``rollout_parity.core``); nothing is re-implemented here.
+Math: ../shared/DESIGN.md and the core (``rollout_parity.core``); nothing is re-implemented here.
 verl's semantics we match where modes overlap are written down in docs/verl.md.
 """
 
