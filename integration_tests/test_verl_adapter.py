@@ -260,9 +260,8 @@ def test_shared_batch_bypass_matches_the_core(name, actor_config, active):
     """Bypass: verl copies rollout_log_probs into old_log_probs; the loss does the rest."""
     cfg = active(CorrectionConfig(**BYPASS_CONFIGS[name]))
     batch = make_shared_batch()
-    # Under bypass the NaN rollout logprob *is* pi_old inside the PPO ratio: the core's
-    # policy_loss does not neutralise that (reported); the -inf stays.
-    batch.rollout_logprobs = torch.nan_to_num(batch.rollout_logprobs, nan=-1.0, neginf=float("-inf"))
+    # Under bypass the NaN rollout logprob *is* pi_old inside the PPO ratio: policy_loss
+    # treats it as a neutral token (ratio 1), so the loss stays finite.
     # core, as a user of the core would call it
     current_ref = batch.fresh_current()
     out = compute_correction(cfg, rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,

@@ -29,6 +29,7 @@ _EXPORTS = {
     "verify_engine": "rollout_parity.core.vllm_recipe",
     # multi-turn
     "splice_on_policy_token_ids": "rollout_parity.core.token_ids",
+    "TokenSpliceError": "rollout_parity.core.token_ids",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -126,3 +126,18 @@ def test_missing_inputs_are_errors_naming_them():
     with pytest.raises(ValueError, match="loss_agg_mode"):
         policy_loss(CorrectionConfig(), current_logprobs=old, old_logprobs=old, advantages=adv, response_mask=mask,
                     loss_agg_mode="token-sum-ish")
+
+
+def test_nan_pi_old_under_bypass_is_a_neutral_token_not_a_nan_loss():
+    cfg = CorrectionConfig(old_logprob_source="bypass", log_rollout_offpolicy_metrics=True)
+    old, rollout, mask, adv = batch()
+    rollout[1, 2] = float("nan")
+    current = rollout.nan_to_num(-0.5).clone().requires_grad_()
+    out = compute_correction(cfg, rollout_logprobs=rollout, response_mask=mask, advantages=adv,
+                             current_logprobs=current)
+    loss, _ = policy_loss(cfg, current_logprobs=current, advantages=adv, correction=out)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(current.grad).all()
+    # Every token sits at ratio 1 (the NaN one by the neutral rule): d loss / d logp = -A / N.
+    torch.testing.assert_close(current.grad, -adv[:, None].expand_as(mask) / mask.sum())
+    assert out.metrics["rollout_correction/nonfinite_frac"] == pytest.approx(1 / 15)

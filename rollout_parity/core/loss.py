@@ -74,8 +74,15 @@ def clipped_surrogate(
     clip_high: float,
     clip_ratio_c: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token clipped PPO loss and its diagnostics (clipped, dual-clipped, log-ratio)."""
-    log_ratio = (current_logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    """Per-token clipped PPO loss and its diagnostics (clipped, dual-clipped, log-ratio).
+
+    A NaN π_old (an engine's NaN under bypass, where π_old is π_rollout) is neutral: that
+    token's ratio is 1 and it still carries the policy gradient, ``∇ log π_θ``. A −inf π_old
+    is maximal mismatch, the ratio at its ±20 log bound, as in ``compute_correction``.
+    """
+    log_ratio = current_logprobs - old_logprobs.detach()
+    log_ratio = torch.where(torch.isnan(log_ratio), current_logprobs - current_logprobs.detach(), log_ratio)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
