@@ -167,8 +167,9 @@ def vllm_parity_kwargs(
         if not _has_knob("head_dtype", version):
             raise VllmKnobMissingError(
                 f"vLLM {version} does not honour hf_overrides={{'head_dtype': 'float32'}} for "
-                f"generation models (needs >= {MIN_VLLM_VERSION['head_dtype']}): upgrade vLLM, "
-                "or use fp32_lm_head=False and correct the remaining mismatch"
+                f"generation models (needs >= {MIN_VLLM_VERSION['head_dtype']}): upgrade vLLM; for "
+                "an in-process engine, call rollout_parity.adapters.vllm.apply_vllm_fp32_logits_patch() "
+                "before building it and pass fp32_lm_head=False here"
             )
         if hf_overrides.get("head_dtype", "float32") not in ("float32", "fp32"):
             raise ValueError(
@@ -276,7 +277,15 @@ def _head_dtype(model_config: Any) -> str:
         head = getattr(getattr(model_config, "hf_config", None), "head_dtype", None)
     if head is None or head == "model":
         head = getattr(model_config, "dtype", None)
-    return str(head).replace("torch.", "")
+    head = str(head).replace("torch.", "")
+    if head != "float32":
+        # rollout_parity.adapters.vllm's patch for vLLM without head_dtype; seen here only
+        # if applied in this process (it covers in-process engines only).
+        lp = sys.modules.get("vllm.model_executor.layers.logits_processor")
+        cls = getattr(lp, "LogitsProcessor", None)
+        if getattr(getattr(cls, "_get_logits", None), "_rollout_parity_fp32_logits", False):
+            head = "float32 (rollout-parity logits patch, in-process)"
+    return head
 
 
 def describe_engine(engine: Any) -> dict[str, Any]:
@@ -316,7 +325,7 @@ def verify_engine(
     if policy == "off":
         held["prefix_caching_off"] = not d["enable_prefix_caching"]
     if fp32_lm_head:
-        held["fp32_lm_head"] = d["head_dtype"] == "float32"
+        held["fp32_lm_head"] = d["head_dtype"].startswith("float32")
     if strict:
         bad = [k for k, ok in held.items() if not ok]
         if bad:

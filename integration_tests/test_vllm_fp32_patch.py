@@ -1,0 +1,85 @@
+"""The fp32 logits patch (for vLLM without head_dtype) on a real in-process vLLM 0.31 engine.
+
+The engine is the recipe *without* ``hf_overrides``: its head is bf16 unless the patch is
+on. The patch is a class attribute looked up at call time, so one engine shows both states.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # pragma: no cover
+    pytest.skip("needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engine)", allow_module_level=True)
+
+from vllm import SamplingParams  # noqa: E402
+
+from integration_tests.support.trainer_ref import completion_logits, load_hf, vllm_token_logprobs  # noqa: E402
+from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm  # noqa: E402
+from rollout_parity import sampler_logprobs, verify_engine, vllm_parity_kwargs  # noqa: E402
+from rollout_parity.adapters.vllm import (  # noqa: E402
+    apply_vllm_fp32_logits_patch,
+    is_vllm_fp32_logits_patched,
+    revert_vllm_fp32_logits_patch,
+)
+from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    apply_vllm_fp32_logits_patch()
+    engine = make_llm(path, shim=False, **vllm_parity_kwargs())
+    yield engine
+    revert_vllm_fp32_logits_patch()
+    shutdown_llm(engine)
+
+
+def _mean_abs_delta(llm, hf, *, fp32_trainer):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (20,), generator=g).tolist() for _ in range(16)]
+    outs = llm.generate([{"prompt_token_ids": p, "cache_salt": uuid.uuid4().hex} for p in prompts],
+                        SamplingParams(max_tokens=32, temperature=0.7, logprobs=0, ignore_eos=True), use_tqdm=False)
+    sampled = [vllm_token_logprobs(o) for o in outs]
+    logits = completion_logits(hf, prompts, [i for i, _ in sampled], fp32_head=fp32_trainer)
+    trainer = torch.cat([sampler_logprobs(lg, torch.tensor(i), temperature=0.7) for lg, (i, _) in zip(logits, sampled)])
+    return float((trainer - torch.cat([lp for _, lp in sampled])).abs().mean())
+
+
+def test_patch_is_idempotent_and_reversible():
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    original = LogitsProcessor._get_logits
+    assert apply_vllm_fp32_logits_patch() is True and apply_vllm_fp32_logits_patch() is False
+    assert revert_vllm_fp32_logits_patch() is True and LogitsProcessor._get_logits is original
+    assert revert_vllm_fp32_logits_patch() is False
+
+
+def test_patched_engine_has_an_fp32_head(llm, path):
+    if not is_vllm_fp32_logits_patched():
+        apply_vllm_fp32_logits_patch()
+    hf = load_hf(path)
+    assert verify_engine(llm, fp32_lm_head=True)["fp32_lm_head"] is True
+    patched = (_mean_abs_delta(llm, hf, fp32_trainer=True), _mean_abs_delta(llm, hf, fp32_trainer=False))
+    revert_vllm_fp32_logits_patch()
+    try:
+        assert verify_engine(llm, fp32_lm_head=True)["fp32_lm_head"] is False
+        plain_vs_fp32_trainer = _mean_abs_delta(llm, hf, fp32_trainer=True)
+    finally:
+        apply_vllm_fp32_logits_patch()
+    print(f"patched vLLM: fp32 trainer {patched[0]:.2e}, bf16 trainer {patched[1]:.2e}; "
+          f"unpatched vLLM vs fp32 trainer {plain_vs_fp32_trainer:.2e}")
+    # Same signature as hf_overrides={"head_dtype": "float32"} (test_vllm_parity.py):
+    assert patched[0] <= 2e-3
+    assert patched[0] * 3 <= patched[1]
+    assert patched[0] * 3 <= plain_vs_fp32_trainer  # without the patch the head rounds to bf16
