@@ -181,6 +181,8 @@ class _Rollouts:
     logprobs: list[list[float]] = field(default_factory=list)
     gen_seconds: float = 0.0
     update_seconds: float = 0.0
+    step_rates: list[float] = field(default_factory=list)  # generated tokens/s of each step
+    cpu_seconds: float = 0.0  # this process's CPU time while generating (in-process engine)
 
 
 def _sample_row(llm: Any, tokenizer: Any, spec: RowSpec, opts: DoctorOptions, tick: Callable[[], None]) -> _Rollouts:
@@ -202,9 +204,12 @@ def _sample_row(llm: Any, tokenizer: Any, spec: RowSpec, opts: DoctorOptions, ti
             max_tokens=opts.max_tokens, temperature=opts.temperature, top_k=opts.top_k,
             top_p=opts.top_p, min_p=opts.min_p, logprobs=0, ignore_eos=True,
         )
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         results = llm.generate(reqs, params, use_tqdm=False)
-        out.gen_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        out.cpu_seconds += time.process_time() - c0
+        out.gen_seconds += dt
+        out.step_rates.append(sum(len(r.outputs[0].token_ids) for r in results) / dt if dt > 0 else float("nan"))
         for prompt, res in zip(prompts, results):
             comp = res.outputs[0]
             ids = list(comp.token_ids)
@@ -351,8 +356,12 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
         t0 = time.perf_counter()
         kwargs = _engine_kwargs(key)
         llm = vllm.LLM(model=model_path, **kwargs, **sizing)
-        # One short request so per-row throughput excludes first-call warm-up.
-        llm.generate([{"prompt_token_ids": [0, 1, 2]}], vllm.SamplingParams(max_tokens=2), use_tqdm=False)
+        # One unmeasured step of the rows' shape (other prompts), so throughput excludes
+        # first-call warm-up; then an empty cache for the measured rows.
+        warm = [_prompt_token_ids(tokenizer, opts.steps + 1, i) for i in range(opts.num_prompts)]
+        llm.generate([{"prompt_token_ids": p} for p in warm for _ in range(opts.samples)],
+                     vllm.SamplingParams(max_tokens=opts.max_tokens, ignore_eos=True), use_tqdm=False)
+        llm.reset_prefix_cache()
         engine_seconds[key] = time.perf_counter() - t0
         bar.update(1)
         try:
@@ -390,7 +399,12 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
                     "outside_kept_set": outside,
                     "rollout_seconds": roll.gen_seconds,
                     "update_seconds": roll.update_seconds,
-                    "tokens_per_s": n_tokens / roll.gen_seconds if roll.gen_seconds > 0 else float("nan"),
+                    # Median over steps: robust to a step slowed by other load on the machine.
+                    "tokens_per_s": float(sorted(roll.step_rates)[len(roll.step_rates) // 2]),
+                    "tokens_per_s_steps": roll.step_rates,
+                    # CPU time of this process (in-process engine only). On an oversubscribed
+                    # machine OpenMP spin-waits inflate it too, so neither is a clean measure there.
+                    "tokens_per_cpu_s": n_tokens / roll.cpu_seconds if roll.cpu_seconds > 0 else float("nan"),
                     "t_max": t_max,
                 })
                 bar.update(1)

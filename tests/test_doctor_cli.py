@@ -38,7 +38,7 @@ def test_unknown_row_is_rejected(monkeypatch, capsys):
 def test_format_table_lists_every_row_and_how_it_was_made():
     row = dict(row="d", label="+ fp32 head both sides", trainer_head="fp32", delta_abs_mean=1.2e-3,
                delta_abs_max=1e-2, kl=1e-5, k3_kl=1e-6, ess=1.0, clipped_frac=0.0, tokens_per_s=321.0,
-               how="engine: vllm_parity_kwargs(fp32_lm_head=True)", sequences=4)
+               how="engine: vllm_parity_kwargs(fp32_lm_head=True)", sequences=4, tokens_per_cpu_s=100.0)
     report = dict(rows=[row], model="m", vllm_version="0.31.0", correction_preset="tis_srs_k3",
                   sampling=dict(temperature=0.7, top_k=-1, top_p=1.0, min_p=0.0, max_tokens=8),
                   timings=dict(total_s=1.0, engines_s={"recipe_fp32": 0.5}))
