@@ -147,3 +147,22 @@ def test_never_allocates_full_logits():
 def test_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         chunked_fp32_logprobs(**args)
+
+
+def test_fallback_without_inplace_softmax_gives_the_same_numbers(monkeypatch):
+    from rollout_parity.core import fp32_logprobs as mod
+
+    hidden, weight, bias, ids = make()
+    fast = chunked_fp32_logprobs(hidden, weight, ids, bias=bias, chunk_size=8, return_entropy=True)
+    sum(t.sum() for t in fast).backward()
+    fast_grads = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    for kind in ("log", "exp"):
+        monkeypatch.setitem(mod._inplace_ok, (kind, torch.float32, "cpu"), False)
+    slow = chunked_fp32_logprobs(hidden, weight, ids, bias=bias, chunk_size=8, return_entropy=True)
+    sum(t.sum() for t in slow).backward()
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+    for a, t in zip(fast_grads, (hidden, weight, bias)):
+        assert torch.equal(a, t.grad)

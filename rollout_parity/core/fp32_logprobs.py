@@ -5,9 +5,8 @@ Remaining Gap: fp32 lm_head"; MiniMax-M1 and ScaleRL compute the head in fp32): 
 states h (N, H), head weight W (V, H), bias b and temperature T,
 
     z_i      = (W h_i + b) / T                                  (fp32 logits, one row per token)
-    lse_i    = log sum_v exp(z_iv)
-    logp_i   = z_{i, y_i} - lse_i                               (token logprob)
-    H_i      = -sum_v p_iv log p_iv,   p_iv = exp(z_iv - lse_i) (entropy)
+    logp_i   = z_{i, y_i} - log sum_v exp(z_iv)                 (token logprob)
+    H_i      = -sum_v p_iv log p_iv,   p_i = softmax(z_i)       (entropy)
 
 Only a chunk of rows of z exists at any time.  The backward recomputes each chunk's logits
 once (activation recomputation) and uses
@@ -15,10 +14,16 @@ once (activation recomputation) and uses
     dL/dz_iv = g_i (1[v = y_i] - p_iv) - e_i p_iv (log p_iv + H_i)
 
 (g = upstream grad of logp, e = upstream grad of H), then dL/dh = (dL/dz / T) W and
-dL/dW = sum_i (dL/dz_i / T) h_i^T, accumulated chunk by chunk.  Memory beyond inputs and
-gradients: one (chunk, V) buffer reused for every chunk, a scratch of a few rows (entropy
-only) and per-token vectors.  Elementwise work runs in place, a few rows at a time.  Inputs of lower precision are upcast per chunk (the weight once, a
-(V, H) fp32 copy when it is not fp32 already); float64 inputs are kept in float64 (gradcheck).
+dL/dW = sum_i (dL/dz_i / T) h_i^T, accumulated chunk by chunk.  For logprobs alone the
+per-row g_i is moved onto the (chunk, H) operands, so the (chunk, V) buffer only holds
+p - onehot.
+
+Memory beyond inputs and gradients: one (chunk, V) buffer reused for every chunk, a scratch
+of 1/8 chunk for the entropy, and per-token vectors.  The (log-)softmax of a chunk runs in
+place with torch's fused row kernel (one pass over memory instead of max/sub/exp/sum); that
+in-place use is probed once per dtype and replaced by a sub-blocked copy if a torch build
+ever stops supporting it.  Inputs of lower precision are upcast per chunk (the weight once,
+a (V, H) fp32 copy when it is not fp32 already); float64 stays float64 (gradcheck).
 
 Under DeepSpeed ZeRO-3 pass the gathered weight (``deepspeed.zero.GatheredParameters``).
 """
@@ -30,15 +35,36 @@ import torch
 __all__ = ["chunked_fp32_logprobs", "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_CHUNK_SIZE = 1024
-# Elementwise passes run on a few rows at a time (at most about 2 MiB, and at most 1/8 of
-# the chunk, which bounds the entropy scratch), so that after the first read the sub-block
-# stays in cache for the following in-place passes.
-_SUBBLOCK_BYTES = 1 << 21
+
+_inplace_ok: dict[tuple[str, torch.dtype, str], bool] = {}
 
 
-def _subblock_rows(rows: int, vocab: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, min(-(-rows // 8), _SUBBLOCK_BYTES // max(1, vocab * itemsize)))
+def _aliasing_works(kind: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Does aten::_{log_,}softmax.out give the right answer with out aliasing the input?"""
+    key = (kind, dtype, device.type)
+    if key not in _inplace_ok:
+        op = torch.ops.aten._log_softmax if kind == "log" else torch.ops.aten._softmax
+        x = torch.randn(8, 3001, generator=torch.Generator().manual_seed(0), dtype=dtype) * 4
+        x = x.to(device)
+        ref = op(x, 1, False)
+        try:
+            y = x.clone()
+            op.out(y, 1, False, out=y)
+            _inplace_ok[key] = bool(torch.equal(y, ref))
+        except RuntimeError:
+            _inplace_ok[key] = False
+    return _inplace_ok[key]
+
+
+def _softmax_rows_(z: torch.Tensor, log: bool) -> torch.Tensor:
+    """z <- (log_)softmax(z, dim=1) in place."""
+    op = torch.ops.aten._log_softmax if log else torch.ops.aten._softmax
+    if _aliasing_works("log" if log else "exp", z.dtype, z.device):
+        return op.out(z, 1, False, out=z)
+    step = max(1, -(-z.shape[0] // 8))
+    for r0 in range(0, z.shape[0], step):
+        z[r0 : r0 + step].copy_(op(z[r0 : r0 + step], 1, False))
+    return z
 
 
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -66,11 +92,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         n, vocab = hidden.shape[0], w.shape[0]
         dev = hidden.device
         logp = torch.empty(n, dtype=cdtype, device=dev)
-        lse = torch.empty(n, dtype=cdtype, device=dev)
         ent = torch.empty(n, dtype=cdtype, device=dev) if want_entropy else None
         rows = min(chunk_size, max(n, 1))
         buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
-        sub = _subblock_rows(rows, vocab, cdtype)
+        sub = max(1, -(-rows // 8))
         scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if want_entropy else None
 
         for s in range(0, n, rows):
@@ -78,24 +103,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
             h = hidden[s:e].to(cdtype)
             if inv_temp != 1.0:
                 h = h * inv_temp
-            z = _logits_into(buf[: e - s], h, w, b)
+            z = _softmax_rows_(_logits_into(buf[: e - s], h, w, b), log=True)  # log p
             logp[s:e] = z.gather(1, token_ids[s:e, None]).squeeze(1)
-            for r0 in range(0, e - s, sub):
-                r1 = min(r0 + sub, e - s)
-                zr = z[r0:r1]
-                m = zr.amax(dim=1, keepdim=True)
-                zr.sub_(m)  # z - max, in place: the logits themselves are no longer needed
-                if want_entropy:
-                    ex = torch.exp(zr, out=scratch[: r1 - r0])
-                    total = ex.sum(dim=1)
-                    # H = log S - sum_v e_v (z_v - m) / S,  e = exp(z - m), S = sum e
-                    ent[s + r0 : s + r1] = total.log() - ex.mul_(zr).sum(dim=1) / total
-                else:
-                    total = zr.exp_().sum(dim=1)
-                lse[s + r0 : s + r1] = total.log_().add_(m.squeeze(1))
-        logp.sub_(lse)
+            if want_entropy:
+                for r0 in range(0, e - s, sub):
+                    r1 = min(r0 + sub, e - s)
+                    p = torch.exp(z[r0:r1], out=scratch[: r1 - r0])
+                    ent[s + r0 : s + r1] = p.mul_(z[r0:r1]).sum(dim=1).neg_()
 
-        ctx.save_for_backward(hidden, weight, bias, token_ids, lse, ent)
+        ctx.save_for_backward(hidden, weight, bias, token_ids, ent)
         ctx.chunk_size, ctx.inv_temp, ctx.cdtype = chunk_size, inv_temp, cdtype
         if want_entropy:
             return logp, ent
@@ -103,7 +119,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, token_ids, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, token_ids, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         cdtype, inv_temp = ctx.cdtype, ctx.inv_temp
         w = weight.to(cdtype)
@@ -121,7 +137,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(vocab, dtype=cdtype, device=dev) if need_b else None
         rows = min(ctx.chunk_size, max(n, 1))
         buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
-        sub = _subblock_rows(rows, vocab, cdtype)
+        sub = max(1, -(-rows // 8))
         scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if use_ent else None
 
         for s in range(0, n, rows):
@@ -129,25 +145,23 @@ class _ChunkedLogprobs(torch.autograd.Function):
             h = hidden[s:e].to(cdtype)
             hs = h * inv_temp if inv_temp != 1.0 else h
             z = _logits_into(buf[: e - s], hs, w, b)
+            rows_idx = torch.arange(e - s, device=dev)
             if use_ent:
+                _softmax_rows_(z, log=True)
                 for r0 in range(0, e - s, sub):
                     r1 = min(r0 + sub, e - s)
-                    zr = z[r0:r1].sub_(lse[s + r0 : s + r1, None])  # log p
+                    zr = z[r0:r1]  # log p
                     p = torch.exp(zr, out=scratch[: r1 - r0])
                     gl = g_logp[s + r0 : s + r1, None]
                     ge = g_ent[s + r0 : s + r1, None]
                     # dL/dz = g (1[v=y] - p) - e p (log p + H)
                     zr.add_(ent[s + r0 : s + r1, None]).mul_(ge).add_(gl).mul_(p).neg_()
-                rows_idx = torch.arange(e - s, device=dev)
                 z.index_put_((rows_idx, token_ids[s:e]), g_logp[s:e], accumulate=True)
                 row_scale, hg = None, h
             else:
                 # dL/dz_i = -g_i (p_i - 1[v=y_i]): keep P - onehot and move the per-row g_i
                 # onto the (chunk, H) operands, saving a pass over the (chunk, V) buffer.
-                for r0 in range(0, e - s, sub):
-                    r1 = min(r0 + sub, e - s)
-                    z[r0:r1].sub_(lse[s + r0 : s + r1, None]).exp_()
-                rows_idx = torch.arange(e - s, device=dev)
+                _softmax_rows_(z, log=False)
                 minus_one = z.new_full((e - s,), -1.0)
                 z.index_put_((rows_idx, token_ids[s:e]), minus_one, accumulate=True)
                 row_scale = g_logp[s:e, None].neg()
