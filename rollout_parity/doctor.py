@@ -512,7 +512,7 @@ def format_table(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         cells.append([fmt.format(r[k]) for _, k, fmt in cols])
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
     lines.append("how each row was produced:")
