@@ -65,6 +65,7 @@ verl's semantics we match where modes overlap are written down in docs/verl.md.
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import json
 import logging
 import os
@@ -504,13 +505,51 @@ _PATCH_POINTS: tuple[tuple[str, str, Callable], ...] = (
 _applied: list[tuple[Any, str, Any]] = []
 
 
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Re-runs ``install`` right after a skipped patch point's module is imported for real.
+
+    verl imports its plugins from ``verl/__init__`` (the ``verl.plugins`` entry point), when
+    some patch points cannot import yet: the FSDP engine needs the device platform, which a
+    process may register only after ``import verl``. A patch that could not be applied then
+    is applied as soon as its module loads, not lost.
+    """
+
+    def __init__(self) -> None:
+        self.pending: set[str] = set()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                self.pending.discard(fullname)
+                original_exec = spec.loader.exec_module
+
+                def exec_module(module, _original=original_exec):
+                    _original(module)
+                    install(import_missing=False)
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
+_post_import = _PatchAfterImport()
+
+
 def _resolve(module_name: str, attr: str, import_missing: bool) -> tuple[Any, str] | None:
     if module_name not in sys.modules and not import_missing:
         return None
     try:
         owner = __import__(module_name, fromlist=["_"])
     except Exception as exc:  # an optional verl part (e.g. no ray) must not break the others
-        logger.debug("rollout-parity: skip patch point %s.%s (%s)", module_name, attr, exc)
+        logger.debug("rollout-parity: patch point %s.%s deferred until it imports (%s)", module_name, attr, exc)
+        _post_import.pending.add(module_name)
+        if _post_import not in sys.meta_path:
+            sys.meta_path.insert(0, _post_import)
         return None
     *path, name = attr.split(".")
     for part in path:
@@ -544,6 +583,9 @@ def uninstall() -> None:
     while _applied:
         owner, name, original = _applied.pop()
         setattr(owner, name, original)
+    _post_import.pending.clear()
+    if _post_import in sys.meta_path:
+        sys.meta_path.remove(_post_import)
     if POLICY_LOSS_REGISTRY.get(LOSS_NAME) is rollout_parity_policy_loss:
         del POLICY_LOSS_REGISTRY[LOSS_NAME]
 
