@@ -14,7 +14,6 @@ Last line: ``RESULT overhead_ratio=...`` (DESIGN.md's convention).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -33,21 +32,27 @@ def make_batch(B: int, T: int, seed: int = 0):
     return old, rollout, current, mask, adv
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
+def fastest(fns: dict, repeats: int) -> dict:
+    """The fastest call of each function, calling them in turn so drift in machine load hits all alike.
+
+    On a shared machine noise only ever adds time, so the minimum is the stable statistic.
+    """
+    for fn in fns.values():
+        fn()  # warm-up
+    best = {name: float("inf") for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
 
     old, rollout, current, mask, adv = make_batch(args.batch, args.tokens)
@@ -70,13 +75,8 @@ def main() -> None:
         compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
                            advantages=adv, current_logprobs=current)
 
-    # Interleave the measurements so drift in machine load hits both alike.
-    base, full, corr = [], [], []
-    for _ in range(3):
-        base.append(timed(loss_only, args.repeats // 3 or 1))
-        full.append(timed(corrected, args.repeats // 3 or 1))
-        corr.append(timed(correction_only, args.repeats // 3 or 1))
-    t_base, t_full, t_corr = min(base), min(full), min(corr)
+    best = fastest({"loss": loss_only, "full": corrected, "correction": correction_only}, args.repeats)
+    t_base, t_full, t_corr = best["loss"], best["full"], best["correction"]
     ratio = t_full / t_base
 
     print(f"B={args.batch} T={args.tokens} fp32 CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -30,7 +30,9 @@ class CorrectionOutput:
     """What ``compute_correction`` returns; adapters read ``weights``, ``mask``, ``metrics``.
 
     ``old_logprobs`` is the π_old the PPO ratio must use: the recomputed trainer logprobs,
-    or the rollout logprobs under ``old_logprob_source='bypass'``.
+    or the rollout logprobs under ``old_logprob_source='bypass'``. ``rejected`` and
+    ``nonfinite`` are float 0/1 ``(B, T)`` masks of the valid tokens they name;
+    ``off_policy_masked`` is a bool ``(B,)``.
     """
 
     weights: torch.Tensor
@@ -45,10 +47,18 @@ class CorrectionOutput:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+def _inside(values: torch.Tensor, lower: Optional[float], upper: float) -> torch.Tensor:
+    """1.0 where ``lower <= values <= upper`` (``lower`` None: no lower bound), else 0.0."""
+    inside = values <= upper
+    if lower is not None:
+        inside &= values >= lower
+    return inside.to(values.dtype)
+
+
 def importance_weights(
     cfg: CorrectionConfig, stats: TokenStats, seq_log_ratio: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """IS weights of the four modes and the tokens they truncated or zeroed.
+    """IS weights of the four modes and a float mask of the tokens they truncated or zeroed.
 
     ``token_truncate``: ``w_t = min(r_t, C)`` (and ``max(·, lower)`` when a lower bound is set).
     ``token_mask``: ``w_t = r_t`` inside ``[lower, C]``, else 0.
@@ -60,43 +70,42 @@ def importance_weights(
     mode = cfg.rollout_importance_sampling_mode
     upper = cfg.rollout_importance_sampling_threshold
     lower = cfg.rollout_importance_sampling_threshold_lower
-    valid, valid_f = stats.valid, stats.valid_f
-    if mode.startswith("token"):
+    valid_f = stats.valid_f
+    if mode == "token_truncate":
         ratio = stats.ratio
-        outside = ratio > upper
-        if lower is not None:
-            outside |= ratio < lower
-        outside &= valid
-        if mode == "token_truncate":
-            weights = ratio.clamp(min=lower, max=upper).mul_(valid_f)
-        else:
-            weights = ratio.masked_fill(outside, 0.0).mul_(valid_f)
-        return weights, outside
+        weights = ratio.clamp(min=lower, max=upper)
+        # sign(|r - clamp(r)|) is 1 exactly where the clamp moved r: a float pass, not a bool mask.
+        clipped = (ratio - weights).abs_().sign_().mul_(valid_f)
+        return weights.mul_(valid_f), clipped
+    if mode == "token_mask":
+        inside = _inside(stats.ratio, lower, upper).mul_(valid_f)
+        return stats.ratio * inside, valid_f - inside
 
     rho = seq_log_ratio.exp()
-    seq_outside = rho > upper
-    if lower is not None:
-        seq_outside |= rho < lower
-    outside = valid & seq_outside.unsqueeze(-1)
     if mode == "sequence_truncate":
-        weights = valid_f * rho.clamp(min=lower, max=upper).unsqueeze(-1)
-    elif cfg.rollout_importance_sampling_sequence_mask_weight == "sequence":
-        weights = valid_f * rho.masked_fill(seq_outside, 0.0).unsqueeze(-1)
+        kept = rho.clamp(min=lower, max=upper)
+        seq_clipped = (rho - kept).abs_().sign_()
+        weights = valid_f * kept.unsqueeze(-1)
     else:
-        weights = stats.ratio.masked_fill(outside, 0.0).mul_(valid_f)
-    return weights, outside
+        seq_inside = _inside(rho, lower, upper)
+        seq_clipped = 1.0 - seq_inside
+        if cfg.rollout_importance_sampling_sequence_mask_weight == "sequence":
+            weights = valid_f * (rho * seq_inside).unsqueeze(-1)
+        else:
+            weights = stats.ratio * (valid_f * seq_inside.unsqueeze(-1))
+    return weights, valid_f * seq_clipped.unsqueeze(-1)
 
 
-def rejection_keep(rules: tuple[RejectionRule, ...], stats: TokenStats) -> torch.Tensor:
-    """Tokens kept by every rejection rule (rules are ANDed), as a bool ``(B, T)``.
+def rejection_keep(rules: tuple[RejectionRule, ...], stats: TokenStats) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """What every rejection rule keeps (rules are ANDed): a bool per sequence, and per token.
 
     Per token: ``K1 = −log r``, ``K2 = ½ (log r)²``, ``K3 = r − 1 − log r`` on r_corr.
     ``seq_sum``/``seq_mean``/``seq_max`` reduce them over each sequence's valid tokens
     (paper eq. 8: ``S_seq = Σ_t K3``). K2/K3 keep ``S ≤ τ``; K1 keeps
-    ``log lo ≤ S ≤ log hi``. Empty sequences have statistic 0.
+    ``log lo ≤ S ≤ log hi``. Empty sequences have statistic 0. Returns
+    ``(seq_keep (B,), token_keep (B, T) or None when no token-level rule is set)``.
     """
-    valid = stats.valid
-    seq_keep = torch.ones(valid.shape[0], dtype=torch.bool, device=valid.device)
+    seq_keep = torch.ones(stats.valid_f.shape[0], dtype=torch.bool, device=stats.valid_f.device)
     token_keep: Optional[torch.Tensor] = None
     for rule in rules:
         if rule.level == "token":
@@ -116,8 +125,7 @@ def rejection_keep(rules: tuple[RejectionRule, ...], stats: TokenStats) -> torch
             token_keep = ok if token_keep is None else token_keep & ok
         else:
             seq_keep &= ok
-    keep = seq_keep.unsqueeze(-1).expand_as(valid)
-    return keep & token_keep if token_keep is not None else keep
+    return seq_keep, token_keep
 
 
 def sequence_advantages(advantages: torch.Tensor, valid_f: torch.Tensor) -> torch.Tensor:
@@ -192,14 +200,13 @@ def compute_correction(
         base = old_logprobs
 
     dtype = compute_dtype(old_logprobs, rollout_logprobs, current_logprobs)
-    valid = response_mask.bool()
-    valid_f = valid.to(dtype)
+    valid_f = response_mask if response_mask.dtype == dtype else (response_mask != 0).to(dtype)
 
     if rollout_logprobs is not None and base is not None:
-        log_ratio, nonfinite = sanitized_log_ratio(base, rollout_logprobs, valid, valid_f)
+        log_ratio, nonfinite = sanitized_log_ratio(base, rollout_logprobs, valid_f)
     else:
-        log_ratio, nonfinite = torch.zeros_like(valid_f), torch.zeros_like(valid)
-    stats = TokenStats(log_ratio, valid, valid_f, nonfinite)
+        log_ratio, nonfinite = torch.zeros_like(valid_f), torch.zeros_like(valid_f)
+    stats = TokenStats(log_ratio, valid_f, nonfinite)
     seq_lr = stats.sequence_log_ratio(cfg.rollout_importance_sampling_sequence_reduction)
 
     if cfg.rollout_importance_sampling_mode is not None:
@@ -207,14 +214,15 @@ def compute_correction(
     else:
         weights, clipped = torch.ones_like(valid_f), None
 
-    keep = valid
-    rejected = None
+    # Everything that removes tokens is a per-sequence keep (B,) and, for token-level
+    # rejection only, a per-token keep; they meet the mask in one product at the end.
+    seq_keep = torch.ones(valid_f.shape[0], dtype=torch.bool, device=valid_f.device)
+    token_keep: Optional[torch.Tensor] = None
     if cfg.rollout_rejection is not None:
-        kept = rejection_keep(cfg.rejection_rules, stats)
-        rejected = valid & ~kept
-        keep = keep & kept
+        seq_keep, token_keep = rejection_keep(cfg.rejection_rules, stats)
+    keep_before_off_policy = seq_keep
 
-    off_policy = torch.zeros(valid.shape[0], dtype=torch.bool, device=valid.device)
+    off_policy = torch.zeros_like(seq_keep)
     if cfg.off_policy_sequence_mask_delta is not None:
         if current_logprobs is None or advantages is None:
             raise ValueError(
@@ -231,16 +239,30 @@ def compute_correction(
         delta = (stats.finite_row_sum(behaviour_name, behaviour) - stats.finite_row_sum("current", current_logprobs)
                  ) / stats.tokens_per_seq.clamp_min(1.0)
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, valid_f) < 0)
-        keep = keep & ~off_policy.unsqueeze(-1)
+        seq_keep = seq_keep & ~off_policy
+
+    keep_f = valid_f * seq_keep.to(dtype).unsqueeze(-1)
+    rejected = None
+    if cfg.rollout_rejection is not None:
+        rejected_by_seq = valid_f * (~keep_before_off_policy).to(dtype).unsqueeze(-1)
+        if token_keep is not None:
+            token_keep_f = token_keep.to(dtype)
+            keep_f = keep_f * token_keep_f
+            rejected = valid_f - valid_f * token_keep_f * keep_before_off_policy.to(dtype).unsqueeze(-1)
+        else:
+            rejected = rejected_by_seq
 
     if response_mask.dtype == torch.bool:
-        mask = keep
+        mask = keep_f > 0
+    elif response_mask.dtype == dtype:
+        mask = keep_f if response_mask is valid_f else response_mask * keep_f
     else:
-        mask = response_mask * keep.to(response_mask.dtype)
+        mask = response_mask * keep_f.to(response_mask.dtype)
 
     metrics: dict[str, float] = {}
     if want_metrics and rollout_logprobs is None:
-        frac = (off_policy & valid.any(dim=-1)).sum() / valid.any(dim=-1).sum().clamp_min(1)
+        seq_valid = stats.tokens_per_seq > 0
+        frac = (off_policy & seq_valid).sum() / seq_valid.sum().clamp_min(1)
         metrics = {"rollout_correction/off_policy_masked_frac": float(frac)}
     elif want_metrics:
         metrics = correction_metrics(
@@ -267,7 +289,7 @@ def compute_correction(
         old_logprobs=rollout_logprobs if bypass else old_logprobs,
         log_ratio=log_ratio,
         sequence_log_ratio=seq_lr,
-        rejected=rejected if rejected is not None else torch.zeros_like(valid),
+        rejected=rejected if rejected is not None else torch.zeros_like(valid_f),
         off_policy_masked=off_policy,
         nonfinite=nonfinite,
     )

@@ -74,28 +74,32 @@ def clipped_surrogate(
     clip_high: float,
     clip_ratio_c: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token clipped PPO loss and its diagnostics (clipped, dual-clipped, log-ratio).
+    """Per-token clipped PPO loss, the float 0/1 masks of clipped and dual-clipped tokens, and log r.
 
     A NaN π_old (an engine's NaN under bypass, where π_old is π_rollout) is neutral: that
     token's ratio is 1 and it still carries the policy gradient, ``∇ log π_θ``. A −inf π_old
     is maximal mismatch, the ratio at its ±20 log bound, as in ``compute_correction``.
     """
-    log_ratio = current_logprobs - old_logprobs.detach()
-    log_ratio = torch.where(torch.isnan(log_ratio), current_logprobs - current_logprobs.detach(), log_ratio)
-    log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    old = old_logprobs.detach()
+    nan_old = torch.isnan(old).to(current_logprobs.dtype)
+    # cur - old where π_old is a number; cur - stop_grad(cur) (value 0, gradient 1) where it is NaN.
+    log_ratio = (current_logprobs - old.nan_to_num(0.0, float("inf"), float("-inf"))).mul(1.0 - nan_old)
+    log_ratio = (log_ratio + (current_logprobs - current_logprobs.detach()) * nan_old
+                 ).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
-    was_clipped = clipped > unclipped
+    # sign(max(c - u, 0)) is 1 exactly where clipping bound the loss: float passes, no bool mask.
+    was_clipped = (clipped - unclipped).detach().clamp_(min=0.0).sign_()
     dual = torch.zeros_like(was_clipped)
     if clip_ratio_c is not None:
         if not clip_ratio_c > 1.0:
             raise ValueError(f"clip_ratio_c must be > 1.0 for dual clip, got {clip_ratio_c}")
-        bound = -advantages * clip_ratio_c
-        negative = advantages < 0
-        dual = negative & (loss > bound)
-        loss = torch.where(negative, torch.minimum(loss, bound), loss)
+        # For A < 0: min(loss, -c A) = loss - max(loss + c A, 0).
+        excess = (loss + advantages * clip_ratio_c).clamp(min=0.0) * (advantages < 0).to(loss.dtype)
+        dual = excess.detach().sign()
+        loss = loss - excess
     return loss, was_clipped, dual, log_ratio
 
 
@@ -152,11 +156,10 @@ def policy_loss(
     else:
         check_shapes("current_logprobs", current_logprobs, advantages=advantages)
 
-    mask = reference.bool()
-    if correction is not None and response_mask is not None:
-        mask = mask & correction.mask.bool()
     dtype = torch.promote_types(current_logprobs.dtype, torch.float32)
-    mask_f = mask.to(dtype)
+    mask_f = reference.to(dtype)
+    if correction is not None and response_mask is not None:
+        mask_f = mask_f * correction.mask.to(dtype)
 
     clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
@@ -166,8 +169,8 @@ def policy_loss(
     )
     if correction is not None and cfg.rollout_importance_sampling_mode is not None:
         per_token = per_token * correction.weights.to(dtype)
-    # NaN logprobs on masked-out tokens must not leak through 0 * NaN.
-    per_token = torch.where(mask, per_token, per_token.new_zeros(()))
+    # Masked-out tokens contribute exactly 0 even when their logprobs are NaN (0 * NaN is NaN).
+    per_token = torch.where(mask_f > 0, per_token, per_token.new_zeros(()))
     loss = aggregate(per_token, mask_f, loss_agg_mode, global_num_tokens=global_num_tokens,
                      global_num_seqs=global_num_seqs, loss_scale_factor=loss_scale_factor)
 
@@ -175,9 +178,9 @@ def policy_loss(
     if with_metrics:
         n = mask_f.sum().clamp_min(1.0)
         stats = torch.stack([
-            (was_clipped.to(dtype) * mask_f).sum() / n,
+            (was_clipped * mask_f).sum() / n,
             (-log_ratio.detach() * mask_f).sum() / n,
-            (dual.to(dtype) * mask_f).sum() / n,
+            (dual * mask_f).sum() / n,
         ]).tolist()
         metrics = dict(zip(("policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_lower"), stats))
         if correction is not None:

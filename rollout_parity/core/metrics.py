@@ -76,8 +76,11 @@ def correction_metrics(
     bypass: bool,
     process_group: Any = None,
 ) -> dict[str, float]:
-    """All diagnostics of one batch; ``weights``/``clipped``/``rejected`` are None when off."""
-    log_ratio, valid, valid_f = stats.log_ratio, stats.valid, stats.valid_f
+    """All diagnostics of one batch; ``weights``/``clipped``/``rejected`` are None when off.
+
+    ``clipped``, ``rejected`` and ``nonfinite`` are float 0/1 masks over valid tokens.
+    """
+    log_ratio, valid_f = stats.log_ratio, stats.valid_f
     dtype = valid_f.dtype
     zero = valid_f.new_zeros(())
     seq_valid = stats.tokens_per_seq > 0
@@ -88,6 +91,7 @@ def correction_metrics(
     # log_ratio is 0 on padding, so r = 1 there: whole-tensor sums minus the padding count
     # are valid-token sums without a masking pass.
     ratio = stats.ratio
+    abs_lr = log_ratio.abs()
     flat_ratio = ratio.reshape(-1)
     sum_r2 = torch.dot(flat_ratio, flat_ratio) - n_pad
     s: dict[str, torch.Tensor] = {
@@ -97,12 +101,12 @@ def correction_metrics(
         "k3": stats.estimator("k3").sum(),
         "chi2_tok": sum_r2,
         "chi2_seq": ((2.0 * seq_log_ratio).exp() * seq_valid_f).sum(),
-        "delta_abs": torch.linalg.vector_norm(log_ratio.reshape(-1), 1),
+        "delta_abs": abs_lr.sum(),
         "off_seq": (off_policy & seq_valid).to(dtype).sum(),
-        "nonfinite": nonfinite.sum().to(dtype),
-        "clipped": zero if clipped is None else clipped.sum().to(dtype),
-        "rej_tok": zero if rejected is None else rejected.sum().to(dtype),
-        "rej_seq": zero if rejected is None else rejected.any(dim=-1).sum().to(dtype),
+        "nonfinite": nonfinite.sum(),
+        "clipped": zero if clipped is None else clipped.sum(),
+        "rej_tok": zero if rejected is None else rejected.sum(),
+        "rej_seq": zero if rejected is None else (rejected.sum(dim=-1) > 0).to(dtype).sum(),
     }
     if weights is None:  # diagnostics only: the weight an IS correction would start from, r
         s["w"] = ratio.sum() - n_pad
@@ -136,24 +140,28 @@ def correction_metrics(
         s[key] = zero
     if advantages is not None and current_logprobs is not None:
         adv = advantages.detach().to(dtype)
-        finite = stats.finite
-        cur = current_logprobs.detach().to(dtype)
+        finite_f = stats.finite_f
         old = rollout_logprobs if bypass else base_logprobs
-        lr_train = torch.where(finite, cur - old.detach().to(dtype), zero).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        lr_roll = lr_train if bypass else (lr_train + log_ratio).masked_fill_(~finite, 0.0)
-        for tag, lr_ppo in (("c", lr_train), ("c_roll", lr_roll)):
-            minus_r_minus_1 = torch.expm1(lr_ppo.clamp(max=LOG_RATIO_BOUND)).neg_()  # 0 where lr_ppo is 0
+        lr_train = (current_logprobs.detach().to(dtype) - old.detach().to(dtype)).nan_to_num_(0.0, 0.0, 0.0)
+        lr_train.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(finite_f)
+        r_train = lr_train.exp()  # 1 off the finite tokens, so r - 1 needs no mask there
+        minus_c_train = r_train - 1.0
+        # r_ppo^rollout = r_ppo^train · r_corr (the same thing under bypass, where π_old is π_rollout)
+        minus_c_roll = minus_c_train if bypass else (r_train * ratio - 1.0).mul_(finite_f)
+        for tag, minus_c in (("c", minus_c_train), ("c_roll", minus_c_roll)):
             if adv.dim() == 1:  # one advantage per sequence: split the row sums, not the tokens
-                contrib = minus_r_minus_1.sum(dim=-1) * adv
+                contrib = -minus_c.sum(dim=-1) * adv
             else:
-                contrib = minus_r_minus_1.mul_(adv)
-            s[f"{tag}_pos"] = torch.where(adv > 0, contrib, zero).sum()
-            s[f"{tag}_neg"] = torch.where(adv < 0, contrib, zero).sum()
+                contrib = -(minus_c * adv)
+            pos = (adv > 0).to(dtype)
+            neg = (adv < 0).to(dtype)
+            s[f"{tag}_pos"] = (contrib * pos).sum()
+            s[f"{tag}_neg"] = (contrib * neg).sum()
 
     neg_inf = torch.full((), float("-inf"), dtype=dtype, device=valid_f.device)
     m = {
         # |lr| is 0 on padding and >= 0 elsewhere, so the plain max is the valid max.
-        "delta_abs_max": torch.linalg.vector_norm(log_ratio.reshape(-1), float("inf")),
+        "delta_abs_max": abs_lr.amax() if log_ratio.numel() else neg_inf,
         "lpd_max": torch.where(ppl_seq, lpd, neg_inf).amax() if lpd.numel() else neg_inf,
         "neg_lpd_min": torch.where(ppl_seq, -lpd, neg_inf).amax() if lpd.numel() else neg_inf,
     }
