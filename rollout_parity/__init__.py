@@ -21,8 +21,11 @@ _EXPORTS = {
     # parity, trainer side
     "apply_fp32_lm_head": "rollout_parity.core.fp32_head",
     "revert_fp32_lm_head": "rollout_parity.core.fp32_head",
+    "is_fp32_lm_head": "rollout_parity.core.fp32_head",
     "chunked_fp32_logprobs": "rollout_parity.core.fp32_logprobs",
     "sampler_logprobs": "rollout_parity.core.sampler",
+    "SamplerLogprobs": "rollout_parity.core.sampler",
+    "SamplerSupportWarning": "rollout_parity.core.sampler",
     # parity, vLLM side
     "vllm_parity_kwargs": "rollout_parity.core.vllm_recipe",
     "vllm_serve_flags": "rollout_parity.core.vllm_recipe",
