@@ -31,25 +31,11 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from rollout_parity.core.fp32_logprobs import chunked_fp32_logprobs
+from rollout_parity.testing.memory import peak_alloc_bytes
 
 MiB = 1024 * 1024
-
-
-def peak_alloc_bytes(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
 
 
 def mem_available_bytes() -> int:

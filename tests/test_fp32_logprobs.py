@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from rollout_parity.core.fp32_logprobs import chunked_fp32_logprobs
+from rollout_parity.testing.memory import peak_alloc_bytes
 
 
 def naive(hidden, weight, ids, bias=None, temperature=1.0):
@@ -100,21 +100,6 @@ def test_bf16_inputs_are_computed_in_fp32():
     assert hidden.grad.dtype == weight.grad.dtype == bias.grad.dtype == torch.bfloat16
 
 
-def _peak_alloc_bytes(fn) -> int:
-    """Peak of bytes live in torch's CPU allocator during fn (profiler memory events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def test_never_allocates_full_logits():
     n, h, v, chunk = 2048, 32, 4096, 128
     g = torch.Generator().manual_seed(0)
@@ -128,7 +113,7 @@ def test_never_allocates_full_logits():
         lp, ent = chunked_fp32_logprobs(hidden, weight, ids, chunk_size=chunk, return_entropy=True)
         (lp.sum() + ent.sum()).backward()
 
-    peak = _peak_alloc_bytes(run)
+    peak = peak_alloc_bytes(run)
     assert peak - grads_bytes < 1.5 * chunk_bytes, (peak, chunk_bytes)
     assert n * v * 4 > 10 * chunk_bytes  # the full logits would be far above the bound
 
