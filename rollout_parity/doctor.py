@@ -349,7 +349,7 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
         model_path = build_tiny_model()
     timings["model_build_s"] = time.perf_counter() - t0
 
-    import vllm  # noqa: F401  (fails early, before the trainer model loads)
+    import vllm  # fails early, before the trainer model loads
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -373,8 +373,6 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
     deltas: dict[str, list[float]] = {}
     engine_seconds: dict[str, float] = {}
     for key in engine_order:
-        import vllm
-
         bar.set_postfix_str(f"engine {key}")
         t0 = time.perf_counter()
         kwargs = _engine_kwargs(key)

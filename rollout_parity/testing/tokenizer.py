@@ -118,7 +118,7 @@ def render_ids(tok: Any, messages: list[dict], *, add_generation_prompt: bool) -
 def _plain_tokens(tok: Any) -> list[tuple[int, str]]:
     special = set(tok.all_special_ids)
     out = []
-    for token, idx in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+    for idx in sorted(tok.get_vocab().values()):
         if idx in special:
             continue
         out.append((idx, tok.decode([idx])))
