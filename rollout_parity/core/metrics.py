@@ -144,10 +144,11 @@ def correction_metrics(
         old = rollout_logprobs if bypass else base_logprobs
         lr_train = (current_logprobs.detach().to(dtype) - old.detach().to(dtype)).nan_to_num_(0.0, 0.0, 0.0)
         lr_train.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(finite_f)
-        r_train = lr_train.exp()  # 1 off the finite tokens, so r - 1 needs no mask there
-        minus_c_train = r_train - 1.0
+        r_train = lr_train.exp_()  # 1 off the finite tokens, so r - 1 needs no mask there
         # r_ppo^rollout = r_ppo^train · r_corr (the same thing under bypass, where π_old is π_rollout)
-        minus_c_roll = minus_c_train if bypass else (r_train * ratio - 1.0).mul_(finite_f)
+        minus_c_roll = None if bypass else (r_train * ratio).sub_(1.0).mul_(finite_f)
+        minus_c_train = r_train.sub_(1.0)
+        minus_c_roll = minus_c_train if minus_c_roll is None else minus_c_roll
         for tag, minus_c in (("c", minus_c_train), ("c_roll", minus_c_roll)):
             if adv.dim() == 1:  # one advantage per sequence: split the row sums, not the tokens
                 contrib = -minus_c.sum(dim=-1) * adv

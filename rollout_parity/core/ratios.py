@@ -69,9 +69,11 @@ def sanitized_log_ratio(
     tokens whose inputs were not finite (counted in ``rollout_correction/nonfinite_frac``).
     """
     dtype = valid_f.dtype
-    diff = _plus_inf_to_nan(numerator.detach().to(dtype)) - _plus_inf_to_nan(denominator.detach().to(dtype))
+    diff = _plus_inf_to_nan(numerator.detach().to(dtype))
+    other = _plus_inf_to_nan(denominator.detach().to(dtype))
+    diff.sub_(other)  # both are fresh copies: work in place, a new (B, T) buffer costs more than the math
     # x - x is 0 for a finite x and NaN for NaN or ±inf, so this is 1 exactly where diff is not finite.
-    nonfinite = (diff - diff).nan_to_num_(nan=1.0).mul_(valid_f)
+    nonfinite = torch.sub(diff, diff, out=other).nan_to_num_(nan=1.0).mul_(valid_f)
     log_ratio = diff.nan_to_num_(0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return log_ratio.mul_(valid_f), nonfinite
 
