@@ -27,7 +27,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 else
   # A fresh clone lives at a new path: point the editable install at it (no deps, fast).
-  "$py" -m pip install -q --no-deps -e "$here" >/dev/null
+  log="$(mktemp)"
+  "$py" -m pip install -q --no-deps -e "$here" >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
+  rm -f "$log"
 fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
