@@ -14,7 +14,7 @@ Weights are detached: they change the measure, not the objective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import math
 from typing import Any, Optional
 
@@ -44,7 +44,6 @@ class CorrectionOutput:
     rejected: Optional[torch.Tensor] = None
     off_policy_masked: Optional[torch.Tensor] = None
     nonfinite: Optional[torch.Tensor] = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 def _inside(values: torch.Tensor, lower: Optional[float], upper: float) -> torch.Tensor:
@@ -128,11 +127,11 @@ def rejection_keep(rules: tuple[RejectionRule, ...], stats: TokenStats) -> tuple
     return seq_keep, token_keep
 
 
-def sequence_advantages(advantages: torch.Tensor, valid_f: torch.Tensor) -> torch.Tensor:
+def sequence_advantages(advantages: torch.Tensor, stats: TokenStats) -> torch.Tensor:
     """One advantage per sequence: ``(B,)`` as given, or the token-mean of a ``(B, T)`` tensor."""
     if advantages.dim() == 1:
         return advantages
-    return (advantages * valid_f).sum(dim=-1) / valid_f.sum(dim=-1).clamp_min(1.0)
+    return (advantages * stats.valid_f).sum(dim=-1) / stats.tokens_per_seq.clamp_min(1.0)
 
 
 def compute_correction(
@@ -238,19 +237,18 @@ def compute_correction(
         behaviour_name = "rollout" if rollout_logprobs is not None else "old"
         delta = (stats.finite_row_sum(behaviour_name, behaviour) - stats.finite_row_sum("current", current_logprobs)
                  ) / stats.tokens_per_seq.clamp_min(1.0)
-        off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, valid_f) < 0)
+        off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, stats) < 0)
         seq_keep = seq_keep & ~off_policy
 
     keep_f = valid_f * seq_keep.to(dtype).unsqueeze(-1)
     rejected = None
     if cfg.rollout_rejection is not None:
-        rejected_by_seq = valid_f * (~keep_before_off_policy).to(dtype).unsqueeze(-1)
+        kept_by_rejection = valid_f * keep_before_off_policy.to(dtype).unsqueeze(-1)
         if token_keep is not None:
             token_keep_f = token_keep.to(dtype)
             keep_f = keep_f * token_keep_f
-            rejected = valid_f - valid_f * token_keep_f * keep_before_off_policy.to(dtype).unsqueeze(-1)
-        else:
-            rejected = rejected_by_seq
+            kept_by_rejection = kept_by_rejection * token_keep_f
+        rejected = valid_f - kept_by_rejection
 
     if response_mask.dtype == torch.bool:
         mask = keep_f > 0

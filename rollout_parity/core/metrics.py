@@ -215,13 +215,3 @@ def _finalise(g: dict[str, float]) -> dict[str, float]:
     }
     return {PREFIX + k: float(v) for k, v in out.items()}
 
-
-METRIC_NAMES = tuple(
-    PREFIX + k for k in (
-        "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
-        "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq", "ess",
-        "is_weight_mean", "clipped_frac", "delta_abs_mean", "delta_abs_max", "rejected_token_frac",
-        "rejected_seq_frac", "off_policy_masked_frac", "nonfinite_frac", "loss_contrib_pos", "loss_contrib_neg",
-        "loss_contrib_rollout_pos", "loss_contrib_rollout_neg",
-    )
-)
