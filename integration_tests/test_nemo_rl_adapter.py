@@ -40,6 +40,8 @@ from rollout_parity.adapters.nemo_rl import (  # noqa: E402
     nemo_rl_generation_config,
 )
 
+pytestmark = [pytest.mark.nemo_rl]
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOL = 1e-6
 

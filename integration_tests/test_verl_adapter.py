@@ -18,7 +18,9 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("verl")
+from rollout_parity.testing.stack import need
+
+need("verl", extra="verl")
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -32,6 +34,8 @@ from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
 
 from .shared_batch import all_config_names, config_for, core_reference, load_expected, make_shared_batch  # noqa: E402
+
+pytestmark = [pytest.mark.verl]
 
 ATOL = 1e-6
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(core_algos.__file__), "..", "config")

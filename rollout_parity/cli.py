@@ -1,5 +1,6 @@
 """The ``rollout-parity`` command line.
 
+    rollout-parity launch [--help] script.py [script args...]   (rollout_parity/launcher.py)
     rollout-parity doctor [--model PATH] [--json PATH] [--plot PATH] [--preset NAME]
                           [--num-prompts N] [--samples N] [--max-tokens N] [--steps N]
                           [--temperature T] [--top-k K] [--top-p P] [--min-p P]
@@ -94,6 +95,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        # `rollout-parity launch [options] script.py [script args...]`: its own parser, because
+        # everything after the script belongs to the script (like `accelerate launch`).
+        from rollout_parity.launcher import main as launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
         return _doctor(args)

