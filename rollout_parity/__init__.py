@@ -26,6 +26,7 @@ _EXPORTS = {
     "sampler_logprobs": "rollout_parity.core.sampler",
     "SamplerLogprobs": "rollout_parity.core.sampler",
     "SamplerSupportWarning": "rollout_parity.core.sampler",
+    "sampler_logprobs_from_hidden": "rollout_parity.core.sampler",
     # parity, vLLM side
     "vllm_parity_kwargs": "rollout_parity.core.vllm_recipe",
     "vllm_serve_flags": "rollout_parity.core.vllm_recipe",

@@ -54,7 +54,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplerLogprobs", "SamplerSupportWarning", "sampler_logprobs", "processed_logits"]
+__all__ = [
+    "HeadLogprobs", "SamplerLogprobs", "SamplerSupportWarning", "processed_logits", "sampler_logprobs",
+    "sampler_logprobs_from_hidden",
+]
 
 # vLLM's threshold below which a temperature means greedy sampling (sampling_params.py).
 _SAMPLING_EPS = 1e-5
@@ -217,3 +220,97 @@ def sampler_logprobs(
             stacklevel=2,
         )
     return out
+
+
+@dataclass(frozen=True)
+class HeadLogprobs:
+    """Result of :func:`sampler_logprobs_from_hidden`: both views of the same tokens.
+
+    full:         (...) float32 ``log softmax(z / T)`` over the whole vocabulary (what the
+                  trainer's PPO ratio uses).
+    processed:    (...) float32 vLLM's processed logprobs (renormalised over the kept set,
+                  -inf outside it): what ``r_corr`` must compare with the sampler's logprobs.
+    outside_mask: (...) bool, True where the token lies outside the kept set (inside
+                  ``response_mask`` when one was given).
+    num_outside:  number of True entries in ``outside_mask``.
+    """
+
+    full: torch.Tensor
+    processed: torch.Tensor
+    outside_mask: torch.Tensor
+    num_outside: int
+
+
+@torch.no_grad()
+def sampler_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    *,
+    bias: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    chunk_size: int = 256,
+) -> HeadLogprobs:
+    """Full-vocabulary and sampler-aware logprobs from the final hidden states, chunk by chunk.
+
+    For recomputing pi_old without ever holding (N, V) logits: each chunk of ``chunk_size``
+    rows is projected through the head in float32 (``hidden.float() @ weight.float().T``, the
+    fp32 lm_head of the parity recipe), and both ``log_softmax(z / T)`` and vLLM's processed
+    logprobs (:func:`processed_logits`, the module docstring) are gathered at the sampled
+    token. Peak extra memory is a few ``(chunk_size, V)`` float32 buffers. No gradient: pi_old
+    is a constant of the loss.
+
+    Args:
+        hidden: (..., H) final hidden states at the positions that predict ``token_ids``.
+        weight: (V, H) the lm_head weight (any float dtype; projected in float32).
+        token_ids: (...) the sampled tokens, ``hidden.shape[:-1]``.
+        temperature, top_k, top_p, min_p: the rollout's ``SamplingParams`` (as in
+            :func:`sampler_logprobs`).
+        bias: optional (V,) head bias.
+        response_mask: optional (...) mask; only positions inside it count as outside.
+        chunk_size: rows projected at once.
+    """
+    _check_params(temperature, top_k, top_p, min_p)
+    if hidden.dim() < 1 or tuple(hidden.shape[:-1]) != tuple(token_ids.shape):
+        raise ValueError(
+            "hidden must be token_ids.shape + (hidden_size,): got hidden "
+            f"{tuple(hidden.shape)} and token_ids {tuple(token_ids.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be (vocab, {hidden.shape[-1]}), got {tuple(weight.shape)}")
+    if response_mask is not None and tuple(response_mask.shape) != tuple(token_ids.shape):
+        raise ValueError(
+            f"response_mask shape {tuple(response_mask.shape)} must equal token_ids shape "
+            f"{tuple(token_ids.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    vocab = weight.shape[0]
+    ids = token_ids.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"token_ids must lie in [0, {vocab}), got range [{int(ids.min())}, {int(ids.max())}]")
+
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    w = weight.to(torch.float32)
+    b = None if bias is None else bias.to(torch.float32)
+    greedy = temperature < _SAMPLING_EPS
+    full = torch.empty(flat.shape[0], dtype=torch.float32, device=hidden.device)
+    processed = torch.empty_like(full)
+    for start in range(0, flat.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        z = torch.nn.functional.linear(flat[rows].to(torch.float32), w, b)
+        idx = ids[rows].unsqueeze(-1)
+        scaled = z if greedy else z / temperature
+        full[rows] = scaled.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
+        x = processed_logits(z, temperature, top_k, top_p, min_p)
+        processed[rows] = x.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
+    shape = token_ids.shape
+    full, processed = full.reshape(shape), processed.reshape(shape)
+    outside = torch.isneginf(processed)
+    if response_mask is not None:
+        outside = outside & response_mask.to(device=outside.device).bool()
+    return HeadLogprobs(full=full, processed=processed, outside_mask=outside, num_outside=int(outside.sum()))
