@@ -1,14 +1,16 @@
-"""The NeMo RL adapter against NeMo RL v0.7's formulas and call contract, and the shared batch.
+"""The NeMo RL adapter beside NeMo RL's own ``ClippedPGLossFn``, at v0.7.0 and at main (7ea279ab).
 
-NeMo RL does not install here; ``support/nemo_rl_double`` reproduces its loss interface (enums,
-``ClippedPGLossConfig``, the data dict, the trainer's microbatched keyword call and metric
-aggregation, the vLLM kwargs assembly) from v0.7.0 (81aa43dd). NeMo RL's tis / icepop /
-seq-mask-tis formulas are re-implemented naively below, from its ``ClippedPGLossFn.__call__``.
+Both source trees are imported from ``../shared/anchors/nemo-rl`` (support/nemo_anchor.py) and
+driven through NeMo RL's own ``BatchedDataDict`` and ``process_global_batch`` plus its worker's
+microbatch loop and ``grpo_train``'s metric aggregation (support/nemo_harness.py). For each of
+NeMo RL's importance-sampling settings (none, plain IS, tis, tis with a floor, icepop,
+seq-mask-tis, a sequence-level loss with dual clip), on a finite batch and on one with NaN, −inf
+and +inf engine logprobs on valid tokens, the adapter built from the same ``loss_fn`` block gives
+NeMo RL's loss, gradient and every metric key NeMo RL returns.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -16,24 +18,20 @@ from pathlib import Path
 import pytest
 import torch
 
-_DOUBLE = Path(__file__).parent / "support" / "nemo_rl_double"
-if importlib.util.find_spec("nemo_rl") is None:
-    sys.path.insert(0, str(_DOUBLE))
-sys.path.insert(0, str(_DOUBLE))  # nemo_rl_contract.py
-
-from nemo_rl_contract import global_counts, llm_kwargs, train_step  # noqa: E402
-from nemo_rl.algorithms.loss import ClippedPGLossConfig  # noqa: E402
-from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType  # noqa: E402
-from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
-
-from integration_tests.shared_batch import (  # noqa: E402
-    all_config_names,
-    config_for,
-    load_expected,
-    make_shared_batch,
+from integration_tests.shared_batch import all_config_names, config_for, load_expected, make_shared_batch
+from integration_tests.support.nemo_anchor import ANCHORS, VERSIONS, skip_unless_available
+from integration_tests.support.nemo_harness import (
+    GRPO_READS,
+    aggregate,
+    finite_or_sentinel,
+    load,
+    nemo_data,
+    split_step_rescale,
+    train_step,
 )
-from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
-from rollout_parity.adapters.nemo_rl import (  # noqa: E402
+from rollout_parity import CorrectionConfig
+from rollout_parity.adapters.nemo_rl import (
+    NEMO_METRIC_KEYS,
     RolloutParityLossFn,
     check_nemo_rl_vllm_kwargs,
     correction_from_nemo_rl,
@@ -43,126 +41,271 @@ from rollout_parity.adapters.nemo_rl import (  # noqa: E402
 pytestmark = [pytest.mark.nemo_rl]
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-TOL = 1e-6
+TOL = dict(rtol=1e-5, atol=1e-6)
+APPROX = dict(rel=1e-5, abs=1e-6)
 
 
-def nemo_data(batch, sample_mask=None, finite=False) -> tuple[BatchedDataDict, torch.Tensor]:
-    """The shared batch as NeMo RL's (B, S) data dict; column 0 is a prompt token holding junk
-    (token_mask 1 there too), so a missing ``[:, 1:]`` cannot go unnoticed."""
-    B = batch.old_logprobs.shape[0]
-    rollout = batch.rollout_logprobs.clone()
-    if finite:
-        rollout = torch.where(torch.isfinite(rollout), rollout, batch.old_logprobs - 0.3)
-
-    def pad(x, value):
-        return torch.cat([torch.full((B, 1), value, dtype=x.dtype), x], dim=1)
-
-    data = BatchedDataDict({
-        "input_ids": torch.zeros(B, batch.old_logprobs.shape[1] + 1, dtype=torch.long),
-        "advantages": pad(batch.advantages.unsqueeze(-1).expand_as(batch.old_logprobs), 9.0),
-        "prev_logprobs": pad(batch.old_logprobs, -7.0),
-        "generation_logprobs": pad(rollout, 3.0),
-        "reference_policy_logprobs": pad(batch.old_logprobs, 0.0),
-        "token_mask": pad(batch.response_mask, 1.0),
-        "sample_mask": torch.ones(B) if sample_mask is None else sample_mask,
-    })
-    return data, batch.fresh_current()
+@pytest.fixture(scope="module", params=VERSIONS)
+def nemo(request):
+    skip_unless_available()
+    with ANCHORS.activate(request.param) as ns:
+        yield load(ns)
 
 
-# ----------------------------------------------------------------- NeMo RL's formulas, naively
+# ----------------------------------------------------------------- batches
 
+def base_batch(kind: str):
+    """The shared batch (8 x 12, ragged, one empty row), sample 2 masked by sample_mask.
 
-def nemo_reference(cfg: dict, data, cur):
-    """ClippedPGLossFn (v0.7) policy term, no KL, written out plainly per token and per sequence."""
-    B, T = cur.shape
-    prev = data["prev_logprobs"][:, 1:]
-    gen = data["generation_logprobs"][:, 1:]
-    adv = data["advantages"][:, 1:]
-    tmask = data["token_mask"][:, 1:]
-    smask = data["sample_mask"]
-    gvs, gvt = global_counts(data)
-    lo, hi, c = cfg.get("ratio_clip_min", 0.2), cfg.get("ratio_clip_max", 0.2), cfg.get("ratio_clip_c")
-    kind = cfg.get("truncated_importance_sampling_type")
-    ratio, ratio_min = cfg.get("truncated_importance_sampling_ratio"), cfg.get("truncated_importance_sampling_ratio_min")
-    weights = torch.ones(B, T)
-    if cfg.get("use_importance_sampling_correction"):
-        for i in range(B):
-            seq_mean = None
-            if kind == "seq-mask-tis":
-                n = sum(float(tmask[i, t]) for t in range(T))
-                s = sum(float(prev[i, t] - gen[i, t]) * float(tmask[i, t]) for t in range(T))
-                geo = math.exp(s / (n + 1e-8))
-                seq_mean = ratio_min <= geo <= ratio
-            for t in range(T):
-                w = math.exp(float(prev[i, t] - gen[i, t]))
-                if kind == "tis":
-                    w = min(max(w, ratio_min or 0.0), ratio)
-                elif kind == "icepop":
-                    w = w if ratio_min <= w <= ratio else 0.0
-                elif kind == "seq-mask-tis":
-                    w = w if seq_mean else 0.0
-                weights[i, t] = w
-    terms = []
-    for i in range(B):
-        row = []
-        for t in range(T):
-            r = torch.exp(cur[i, t] - prev[i, t])
-            a = adv[i, t]
-            loss = torch.maximum(-a * r, -a * r.clamp(1 - lo, 1 + hi))
-            if c is not None and a < 0:
-                loss = torch.minimum(loss, -a * c)
-            row.append(weights[i, t] * loss)
-        terms.append(torch.stack(row))
-    per_token = torch.stack(terms)
-    mask = tmask * smask.unsqueeze(-1)
-    if cfg.get("token_level_loss", True):
-        total = (per_token * mask).sum() / (gvt + 1e-8)
+    ``finite``: the engine's NaN/−inf replaced by ordinary values. ``nonfinite``: NaN, −inf
+    and +inf engine logprobs on three valid tokens (NeMo RL's own loss stays finite there;
+    its gen-based metrics do not)."""
+    b = make_shared_batch()
+    rollout = b.rollout_logprobs.clone()
+    if kind == "finite":
+        rollout = torch.where(torch.isfinite(rollout), rollout, b.old_logprobs - 0.3)
     else:
-        seq = (per_token * tmask).sum(-1) / (tmask.sum(-1) + 1e-8)
-        total = (seq * smask).sum() / (gvs + 1e-8)
-    return total, weights
+        rollout[1, 3] = float("inf")
+    sample_mask = torch.ones(8)
+    sample_mask[2] = 0.0
+    return b, rollout, sample_mask
+
+
+def make_data(ns, kind: str, rollout=None):
+    b, default_rollout, sample_mask = base_batch(kind)
+    current = b.fresh_current()
+    data = nemo_data(ns, b.old_logprobs, default_rollout if rollout is None else rollout, current,
+                     b.response_mask, b.advantages, sample_mask=sample_mask)
+    return data, current
+
+
+def agreed_rollout(kind: str):
+    """The engine's non-finite logprobs replaced by the trainer's: what the adapter's NeMo RL
+    metrics count a non-finite token as."""
+    b, rollout, _ = base_batch(kind)
+    return torch.where(torch.isfinite(rollout), rollout, b.old_logprobs)
 
 
 NEMO_CASES = {
-    "tis": dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.2),
-    "tis_min": dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.2,
-                    truncated_importance_sampling_ratio_min=0.9),
-    "icepop": dict(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=1.1,
-                   truncated_importance_sampling_ratio_min=0.9),
-    "seq_mask_tis": dict(truncated_importance_sampling_type="seq-mask-tis",
+    "no_is": dict(),
+    "plain_is": dict(use_importance_sampling_correction=True),
+    "tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+                truncated_importance_sampling_ratio=1.2),
+    "tis_floor_dual_clip": dict(use_importance_sampling_correction=True,
+                                truncated_importance_sampling_type="tis",
+                                truncated_importance_sampling_ratio=1.2,
+                                truncated_importance_sampling_ratio_min=0.9, ratio_clip_c=3.0),
+    "icepop": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+                   truncated_importance_sampling_ratio=1.1, truncated_importance_sampling_ratio_min=0.9),
+    "seq_mask_tis": dict(use_importance_sampling_correction=True,
+                         truncated_importance_sampling_type="seq-mask-tis",
                          truncated_importance_sampling_ratio=1.02,
                          truncated_importance_sampling_ratio_min=0.98),
-    "plain_is": dict(),
-    "icepop_seq_level_dual_clip": dict(truncated_importance_sampling_type="icepop",
+    "seq_level_icepop_dual_clip": dict(use_importance_sampling_correction=True,
+                                       truncated_importance_sampling_type="icepop",
                                        truncated_importance_sampling_ratio=1.1,
                                        truncated_importance_sampling_ratio_min=0.9,
-                                       token_level_loss=False, ratio_clip_c=3.0, ratio_clip_max=0.28),
+                                       token_level_loss=False, ratio_clip_c=3.0, ratio_clip_max=0.28,
+                                       reference_policy_kl_type="k2"),
 }
+# NeMo RL's metrics that read generation_logprobs without sanitising them (NaN/inf there).
+GEN_METRICS = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
+               "approx_entropy")
 
 
+def run(ns, loss_fn, kind, rollout=None, mbs=2):
+    data, current = make_data(ns, kind, rollout)
+    total, mb_metrics = train_step(ns, loss_fn, data, mbs)
+    return total, current.grad, aggregate(mb_metrics)
+
+
+@pytest.mark.parametrize("kind", ["finite", "nonfinite"])
 @pytest.mark.parametrize("case", sorted(NEMO_CASES))
-def test_nemo_truncated_is_mapping_matches_nemo_formulas(case):
-    cfg = dict(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True, **NEMO_CASES[case])
-    batch = make_shared_batch()
-    data, cur = nemo_data(batch, finite=True)
-    loss_fn = RolloutParityLossFn.from_nemo_config(ClippedPGLossConfig(**cfg))
-    gvs, gvt = global_counts(data)
-    loss, _ = loss_fn(cur, data, gvs, gvt)
-    loss.backward()
+def test_side_by_side_with_nemo_clipped_pg_loss(nemo, case, kind):
+    cfg = nemo.ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **NEMO_CASES[case])
+    theirs_fn = nemo.ClippedPGLossFn(cfg)
+    ours_fn = RolloutParityLossFn.from_nemo_config(cfg)
+    assert ours_fn.loss_type == theirs_fn.loss_type and ours_fn.input_type == theirs_fn.input_type
 
-    ref_cur = batch.fresh_current()
-    ref_loss, ref_weights = nemo_reference(cfg, data, ref_cur)
-    ref_loss.backward()
-    mask = (data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).bool()
-    # The mapped flags give NeMo RL's weights on every valid token ...
-    weights = torch.where(loss_fn.last_correction.mask.bool(), loss_fn.last_correction.weights,
-                          torch.zeros(()))
-    torch.testing.assert_close(weights[mask], ref_weights[mask], rtol=TOL, atol=TOL)
-    # ... and its loss and gradient.
-    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=TOL, atol=TOL)
-    torch.testing.assert_close(cur.grad, ref_cur.grad, rtol=TOL, atol=TOL)
-    if case not in ("plain_is",):
-        assert not torch.allclose(ref_weights[mask], torch.ones_like(ref_weights[mask]))
+    their_loss, their_grad, theirs = run(nemo, theirs_fn, kind)
+    our_loss, our_grad, ours = run(nemo, ours_fn, kind)
+
+    assert math.isfinite(their_loss) and torch.isfinite(their_grad).all()
+    assert our_loss == pytest.approx(their_loss, **APPROX)
+    torch.testing.assert_close(our_grad, their_grad, **TOL)
+    assert set(theirs) <= set(ours), sorted(set(theirs) - set(ours))
+    assert all(key in ours for key in GRPO_READS)
+    assert finite_or_sentinel(ours) == []
+    reference = theirs
+    if kind == "nonfinite":
+        # NeMo RL's own gen-based metrics are NaN/inf here; ours count such a token as one
+        # where the engine agreed with the trainer: NeMo RL's values on that batch.
+        assert any(not math.isfinite(theirs[k]) for k in GEN_METRICS)
+        _, _, agreed = run(nemo, nemo.ClippedPGLossFn(cfg), kind, rollout=agreed_rollout(kind))
+        reference = {**theirs, **{k: agreed[k] for k in GEN_METRICS}}
+        assert ours["rollout_correction/nonfinite_frac"] == pytest.approx(3 / ours["global_valid_toks"])
+    for key in reference:
+        assert ours[key] == pytest.approx(reference[key], **APPROX), key
+    if "truncated_importance_sampling_type" in NEMO_CASES[case]:
+        assert 0 < ours["is_oob_ratio"] < 1
+
+
+def test_plain_is_with_a_minus_inf_engine_logprob_gives_no_huge_weight(nemo):
+    """The crash the issue names: plain IS maps to a cap of e^20, so −inf (maximal mismatch
+    in the shared rule) weighed ~5e8 and one token turned a loss of +0.06 into −5.5e6."""
+    cfg = dict(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
+    loss_fn = RolloutParityLossFn.from_nemo_config(cfg)
+    data, current = make_data(nemo, "nonfinite")
+    batch, gvs, gvt = __import__("integration_tests.support.nemo_harness",
+                                 fromlist=["global_counts"]).global_counts(nemo, data, loss_fn)
+    loss, _ = loss_fn(current, batch, gvs, gvt)
+    assert float(loss_fn.last_correction.weights.max()) < 10.0
+    assert abs(float(loss.detach())) < 1.0
+    shared = RolloutParityLossFn(loss_fn.correction)  # the shared rule: the cap, by design
+    shared(current.detach(), batch, gvs, gvt)
+    assert float(shared.last_correction.weights.max()) > 1e8
+
+
+def test_every_nemo_metric_key_is_returned(nemo):
+    assert set(NEMO_METRIC_KEYS) | {"is_oob_ratio"} >= {
+        k for case in NEMO_CASES.values()
+        for k in run(nemo, nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(
+            reference_policy_kl_penalty=0.0, **case)), "finite", mbs=8)[2]
+        if k not in ("global_valid_seqs", "global_valid_toks")}
+
+
+# ----------------------------------------------------------------- the shared cross-framework batch
+
+
+def shared_data(ns, sample_mask=None):
+    b = make_shared_batch()
+    current = b.fresh_current()
+    return b, nemo_data(ns, b.old_logprobs, b.rollout_logprobs, current, b.response_mask,
+                        b.advantages, sample_mask=sample_mask), current
+
+
+@pytest.mark.parametrize("name", all_config_names())
+def test_shared_batch_through_adapter_equals_core(nemo, name):
+    """Weights, mask, loss, gradient and the core's metrics of the cross-framework batch."""
+    expected = load_expected()[name]
+    _, data, current = shared_data(nemo)
+    loss_fn = RolloutParityLossFn(config_for(name), metrics="local")
+    total, mb_metrics = train_step(nemo, loss_fn, data, microbatch_size=8)
+    out = loss_fn.last_correction
+    exp = {k: torch.tensor(v) for k, v in expected.items() if k != "metrics"}
+    torch.testing.assert_close(out.weights, exp["weights"], rtol=1e-6, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(out.mask.float(), exp["mask"].float(), rtol=0, atol=0)
+    # NeMo RL fixes global_valid_toks before the loss, so tokens removed by rejection still
+    # count in the denominator (as NeMo RL's own icepop zeros do); the core's stand-alone
+    # token-mean divides by the kept tokens. The two differ by exactly that ratio.
+    gvt = float(data["token_mask"][:, 1:].sum())
+    scale = max(float(exp["mask"].sum()), 1.0) / gvt
+    assert total == pytest.approx(float(exp["loss"]) * scale, rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(current.grad, exp["grad"] * scale, rtol=1e-6, atol=1e-7)
+    metrics = mb_metrics[0]
+    for key, value in expected["metrics"].items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+
+
+def core_to_nemo(name: str, core: dict, batch) -> dict:
+    """The core's whole-batch metrics with NeMo RL's denominators (global valid tokens and
+    samples); an empty sample counts as on-policy. Independent of any microbatching."""
+    mask = batch.response_mask
+    gvt, gvs = float(mask.sum()), float(mask.shape[0])
+    n_seq = float((mask.sum(-1) > 0).sum())
+    finite = mask * torch.isfinite(batch.rollout_logprobs)
+    n_ppl = float((finite.sum(-1) > 0).sum())
+    keep = torch.tensor(load_expected()[name]["mask"])
+    n_kept = float(keep.sum())
+    out = {}
+    for key, value in core.items():
+        short = key.split("/", 1)[1]
+        if key.startswith("policy/"):
+            out[key] = value * n_kept / gvt
+        elif short in ("chi2_seq", "rejected_seq_frac", "off_policy_masked_frac"):
+            out[key] = value * n_seq / gvs
+        elif short in ("log_ppl_diff", "log_ppl_abs_diff"):
+            out[key] = value * n_ppl / gvs
+        elif short == "ppl_ratio":
+            out[key] = ((value - 1.0) * n_ppl + gvs) / gvs
+        elif short in ("ess", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl") \
+                or short.endswith(("_max", "_min")):
+            continue
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("name", ["tis_srs_k3", "icepop", "sequence_mask_token", "k1_k2_rejection",
+                                  "off_policy_mask"])
+def test_metrics_are_the_global_batch_for_any_microbatching(nemo, name):
+    """NeMo RL sums every metric over microbatches: the sums equal the whole batch's metrics
+    (sequence metrics included: the issue measured rejected_seq_frac 0.750 vs 0.714 before)."""
+    batch = make_shared_batch()
+    expected = core_to_nemo(name, load_expected()[name]["metrics"], batch)
+    runs = {}
+    for mbs in (1, 2, 4, 8):
+        _, data, current = shared_data(nemo)
+        total, mb_metrics = train_step(nemo, RolloutParityLossFn(config_for(name)), data, mbs)
+        runs[mbs] = (total, current.grad, aggregate(mb_metrics))
+    total8, grad8, metrics8 = runs[8]
+    for key, value in expected.items():
+        assert metrics8[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for mbs, (total, grad, metrics) in runs.items():
+        assert total == pytest.approx(total8, rel=1e-5, abs=1e-7), mbs
+        torch.testing.assert_close(grad, grad8, rtol=1e-5, atol=1e-7)
+        for key, value in metrics8.items():
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (mbs, key)
+    assert not any(k.endswith(("_max", "_min")) for k in metrics8 if k.startswith("rollout_correction/"))
+
+
+def test_metric_normalizations_reproduce_the_sync_metrics_in_the_split_step(nemo):
+    """Main's Megatron split step calls the loss with placeholder global counts 1 and
+    rescales each metric by the denominator ``metric_normalizations`` names."""
+    if nemo.MetricNormalizer is None:  # v0.7.0: no split step, nothing to advertise
+        assert not hasattr(RolloutParityLossFn(), "metric_normalizations")
+        return
+    cfg = nemo.ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **NEMO_CASES["seq_mask_tis"])
+    for loss_fn in (RolloutParityLossFn.from_nemo_config(cfg),
+                    RolloutParityLossFn(config_for("tis_srs_k3"), token_level_loss=False),
+                    nemo.ClippedPGLossFn(cfg)):
+        data, _ = make_data(nemo, "finite")
+        _, sync = train_step(nemo, loss_fn, data, 2)
+        data, _ = make_data(nemo, "finite")
+        gvs, gvt = float(data["sample_mask"].sum()), float(
+            (data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).sum())
+        raw = []
+        for mb in data.make_microbatch_iterator(2):
+            _, metrics = loss_fn(next_token_logprobs=mb["next_token_logprobs"], data=mb,
+                                 global_valid_seqs=torch.tensor(1.0), global_valid_toks=torch.tensor(1.0))
+            if metrics["num_valid_samples"] > 0:
+                raw.append(dict(metrics))
+        split = aggregate(split_step_rescale(nemo, loss_fn, raw, gvs, gvt))
+        expected = aggregate(sync)
+        assert set(loss_fn.metric_normalizations) >= set(raw[0]) - {"is_oob_ratio"} or \
+            isinstance(loss_fn, nemo.ClippedPGLossFn)
+        for key, value in split.items():
+            assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-6), (type(loss_fn).__name__, key)
+
+
+# ----------------------------------------------------------------- config and vLLM recipe
+
+
+def test_yaml_block_loads_through_omegaconf_and_nemo_config(nemo):
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(CONFIGS / "nemo_rl_loss.yaml")
+    # A defaults-style merge onto a base GRPO loss block, as NeMo RL's load_config does.
+    base = OmegaConf.create({"loss_fn": {"reference_policy_kl_penalty": 0.01, "ratio_clip_min": 0.2}})
+    merged = OmegaConf.merge(base, node)
+    cfg = nemo.ClippedPGLossConfig(**OmegaConf.to_container(merged.loss_fn, resolve=True))
+    assert cfg.rollout_correction["rollout_rejection"] == ["seq_sum_k3"]  # extra="allow" kept it
+    loss_fn = RolloutParityLossFn.from_nemo_config(cfg)
+    assert loss_fn.correction == CorrectionConfig.preset("tis_srs_k3")
+    assert (loss_fn.ratio_clip_min, loss_fn.ratio_clip_max) == (0.2, 0.28)
+    assert loss_fn.nonfinite == "shared"
+    assert RolloutParityLossFn.from_nemo_config(merged.loss_fn).correction == loss_fn.correction
+    assert OmegaConf.to_container(node.policy) == nemo_rl_generation_config()["policy"]
 
 
 def test_mapping_table():
@@ -199,140 +342,17 @@ def test_mapping_table():
             correction_from_nemo_rl(cfg)
 
 
-# ----------------------------------------------------------------- the shared cross-framework batch
-
-
-@pytest.mark.parametrize("name", all_config_names())
-def test_shared_batch_through_adapter_equals_core(name):
-    expected = load_expected()[name]
-    batch = make_shared_batch()
-    data, cur = nemo_data(batch)
-    loss_fn = RolloutParityLossFn(config_for(name), ratio_clip_min=0.2, ratio_clip_max=0.2,
-                                  metrics="local")
-    assert loss_fn.loss_type == LossType.TOKEN_LEVEL and loss_fn.input_type == LossInputType.LOGPROB
-    gvs, gvt = global_counts(data)
-    loss, metrics = loss_fn(next_token_logprobs=cur, data=data, global_valid_seqs=gvs,
-                            global_valid_toks=gvt)
-    loss.backward()
-    out = loss_fn.last_correction
-    exp = {k: torch.tensor(v) for k, v in expected.items() if k != "metrics"}
-    torch.testing.assert_close(out.weights, exp["weights"], rtol=TOL, atol=TOL, equal_nan=True)
-    torch.testing.assert_close(out.mask.float(), exp["mask"].float(), rtol=0, atol=0)
-    # NeMo RL normalises by the global valid-token count fixed before the loss (rejected tokens
-    # still count, as NeMo RL's own icepop zeros count); the core's token-mean divides by the
-    # tokens left after rejection. The two differ by exactly that ratio.
-    scale = max(float(exp["mask"].sum()), 1.0) / float(gvt)
-    torch.testing.assert_close(loss.detach(), exp["loss"] * scale, rtol=TOL, atol=TOL)
-    torch.testing.assert_close(cur.grad, exp["grad"] * scale, rtol=TOL, atol=TOL)
-    for key, value in expected["metrics"].items():
-        assert metrics[key] == pytest.approx(value, rel=TOL, abs=TOL), key
-    # And through the core directly with the same global normalisation: identical.
-    cur2 = batch.fresh_current()
-    mask = batch.response_mask
-    core_out = compute_correction(config_for(name), old_logprobs=batch.old_logprobs,
-                                  rollout_logprobs=batch.rollout_logprobs, response_mask=mask,
-                                  advantages=batch.advantages, current_logprobs=cur2, with_metrics=True)
-    core_loss, _ = policy_loss(config_for(name), current_logprobs=cur2, advantages=batch.advantages,
-                               correction=core_out, clip_ratio=0.2, global_num_tokens=float(gvt))
-    core_loss.backward()
-    torch.testing.assert_close(loss.detach(), core_loss.detach(), rtol=TOL, atol=TOL)
-    torch.testing.assert_close(cur.grad, cur2.grad, rtol=TOL, atol=TOL)
-
-
-TOKEN_MEAN_METRICS = ("rollout_correction/kl", "rollout_correction/k3_kl", "rollout_correction/is_weight_mean",
-                      "rollout_correction/clipped_frac", "rollout_correction/delta_abs_mean",
-                      "rollout_correction/rejected_token_frac", "rollout_correction/nonfinite_frac",
-                      "rollout_correction/loss_contrib_pos", "rollout_correction/loss_contrib_neg",
-                      "rollout_correction/chi2_token")
-
-
-@pytest.mark.parametrize("name", ["tis_srs_k3", "icepop", "sequence_mask_token"])
-def test_microbatched_contract_gives_the_global_batch(name):
-    """NeMo RL sums per-microbatch losses and metrics; with global normalisation the sums are the
-    whole batch's loss, gradient and (token-mean) metrics."""
-    batch = make_shared_batch()
-    data, cur = nemo_data(batch)
-    full_fn = RolloutParityLossFn(config_for(name), metrics="local")
-    gvs, gvt = global_counts(data)
-    full_loss, full_metrics = full_fn(cur, data, gvs, gvt)
-    full_loss.backward()
-    mb_cur = batch.fresh_current()
-    mb_fn = RolloutParityLossFn(config_for(name))
-    mb_loss, mb_metrics = train_step(mb_fn, data, mb_cur, microbatch_size=3)
-    mb_loss.backward()
-    torch.testing.assert_close(mb_loss.detach(), full_loss.detach(), rtol=TOL, atol=TOL)
-    torch.testing.assert_close(mb_cur.grad, cur.grad, rtol=TOL, atol=TOL)
-    n_valid = float(batch.response_mask.sum())
-    for key in TOKEN_MEAN_METRICS:
-        assert mb_metrics[key] == pytest.approx(full_metrics[key] * n_valid / float(gvt), rel=1e-5,
-                                                abs=1e-6), key
-    assert mb_metrics["loss"] == pytest.approx(float(full_loss.detach()), rel=1e-5)
-    assert not any(k.endswith(("_max", "_min")) for k in mb_metrics if k.startswith("rollout_correction/"))
-
-
-def test_sample_mask_and_sequence_level_loss():
-    batch = make_shared_batch()
-    sample_mask = torch.ones(8)
-    sample_mask[2] = 0.0
-    data, cur = nemo_data(batch, sample_mask=sample_mask)
-    cfg = CorrectionConfig.preset("tis_srs_k3")
-    loss_fn = RolloutParityLossFn(cfg, token_level_loss=False, ratio_clip_c=3.0)
-    assert loss_fn.loss_type == LossType.SEQUENCE_LEVEL
-    gvs, gvt = global_counts(data)
-    assert float(gvs) == 7.0
-    loss, _ = loss_fn(cur, data, gvs, gvt)
-    loss.backward()
-    cur2 = batch.fresh_current()
-    mask = batch.response_mask * sample_mask.unsqueeze(-1)
-    out = compute_correction(cfg, old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
-                             response_mask=mask, advantages=batch.advantages, current_logprobs=cur2)
-    ref, _ = policy_loss(cfg, current_logprobs=cur2, advantages=batch.advantages, correction=out,
-                         clip_ratio=0.2, clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean",
-                         global_num_seqs=7.0)
-    ref.backward()
-    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=TOL, atol=TOL)
-    torch.testing.assert_close(cur.grad, cur2.grad, rtol=TOL, atol=TOL)
-    assert torch.all(cur.grad[2] == 0)
-
-
-# ----------------------------------------------------------------- config and vLLM recipe
-
-
-def test_yaml_block_loads_through_omegaconf_and_nemo_config():
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.load(CONFIGS / "nemo_rl_loss.yaml")
-    # A defaults-style merge onto a base GRPO loss block, as NeMo RL's load_config does.
-    base = OmegaConf.create({"loss_fn": {"reference_policy_kl_penalty": 0.01, "ratio_clip_min": 0.2}})
-    merged = OmegaConf.merge(base, node)
-    cfg = ClippedPGLossConfig(**OmegaConf.to_container(merged.loss_fn, resolve=True))
-    assert cfg.rollout_correction["rollout_rejection"] == ["seq_sum_k3"]  # extra="allow" kept it
-    loss_fn = RolloutParityLossFn.from_nemo_config(cfg)
-    assert loss_fn.correction == CorrectionConfig.preset("tis_srs_k3")
-    assert (loss_fn.ratio_clip_min, loss_fn.ratio_clip_max) == (0.2, 0.28)
-    assert RolloutParityLossFn.from_nemo_config(merged.loss_fn).correction == loss_fn.correction
-    # The policy block is the recipe, and NeMo RL's engine assembly accepts it.
-    assert OmegaConf.to_container(node.policy) == nemo_rl_generation_config()["policy"]
-    kwargs = llm_kwargs(OmegaConf.to_container(node.policy.generation), {})
-    assert kwargs["logprobs_mode"] == "processed_logprobs"
-    assert kwargs["enable_prefix_caching"] is False
-    assert kwargs["async_scheduling"] is False
-
-
-def test_vllm_recipe_routing():
-    gen = nemo_rl_generation_config(fp32_lm_head=True)
-    kwargs = llm_kwargs(gen["policy"]["generation"], gen["policy"])
-    assert kwargs["hf_overrides"] == {"head_dtype": "float32"}
-    assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is False
-    # The recipe keys put naively into vllm_kwargs collide with what NeMo RL passes itself.
-    naive = {"vllm_kwargs": {"logprobs_mode": "processed_logprobs", "enable_prefix_caching": False}}
-    with pytest.raises(TypeError, match="multiple values"):
-        llm_kwargs(naive, {})
+def test_recipe_routing():
+    gen = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
+    assert gen["generation"]["vllm_cfg"] == {"enable_prefix_caching": False,
+                                             "logprobs_mode": "processed_logprobs"}
+    assert gen["generation"]["vllm_kwargs"] == {"async_scheduling": False}
+    assert gen["hf_config_overrides"] == {"head_dtype": "float32"}
     with pytest.raises(ValueError, match="vllm_cfg"):
-        check_nemo_rl_vllm_kwargs(naive["vllm_kwargs"])
+        check_nemo_rl_vllm_kwargs({"logprobs_mode": "processed_logprobs"})
 
 
-def test_bad_configs_and_data():
+def test_bad_configs_and_data(nemo):
     with pytest.raises(ValueError, match="twice"):
         RolloutParityLossFn.from_nemo_config(dict(
             reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
@@ -347,16 +367,16 @@ def test_bad_configs_and_data():
                                                   rollout_correction={"rollout_is_mode": "x"}))
     with pytest.raises(ValueError, match="unknown key"):
         RolloutParityLossFn.from_nemo_config(dict(reference_policy_kl_penalty=0.0, ratio_clip=0.2))
-    batch = make_shared_batch()
-    data, cur = nemo_data(batch)
+    with pytest.raises(ValueError, match="reference_policy_kl_type"):
+        RolloutParityLossFn(reference_policy_kl_type="k4")
+    data, current = make_data(nemo, "finite")
     loss_fn = RolloutParityLossFn(CorrectionConfig.preset("icepop"))
-    gvs, gvt = global_counts(data)
     with pytest.raises(ValueError, match=r"\[:, 1:\]"):
-        loss_fn(torch.cat([cur, cur[:, :1]], dim=1), data, gvs, gvt)
-    broken = BatchedDataDict(dict(data))
+        loss_fn(torch.cat([current, current[:, :1]], dim=1), data, 7, 50)
+    broken = nemo.BatchedDataDict(dict(data))
     del broken["generation_logprobs"]
     with pytest.raises(KeyError, match="generation_logprobs"):
-        loss_fn(cur, broken, gvs, gvt)
+        loss_fn(current, broken, 7, 50)
 
 
 def test_missing_nemo_rl_is_a_clear_import_error(monkeypatch):
