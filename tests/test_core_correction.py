@@ -1,15 +1,22 @@
-"""compute_correction and policy_loss against the naive per-token reference."""
+"""compute_correction and policy_loss against the naive per-token reference.
+
+Every expected number comes from ``naive_reference`` (fed the raw flags, never the
+package's parsing) or from a formula written in the test, never from the output under test.
+Batches are seeded from the flags with ``zlib.crc32`` (stable across processes, unlike
+``hash``), so a failure reproduces.
+"""
 
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
 
-from .naive_reference import naive_correction, naive_metrics, naive_ppo_loss
+from .naive_reference import naive_correction, naive_everything, naive_metrics
 
 MODES = [None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
@@ -32,6 +39,17 @@ def make_batch(seed=0, B=6, T=9, spread=0.3, with_bad=False):
 
 def as_lists(*tensors):
     return [t.tolist() for t in tensors]
+
+
+def seed_of(flags) -> int:
+    """A seed that is the same in every process (``hash(str)`` is salted per process)."""
+    return zlib.crc32(repr(sorted(flags.items())).encode()) % 1000
+
+
+def assert_metrics_match(got, want, rel=2e-5, abs_=2e-6):
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=rel, abs=abs_), key
 
 
 CONFIGS = []
@@ -58,26 +76,30 @@ REJECTIONS = [
 
 @pytest.mark.parametrize("flags", CONFIGS + REJECTIONS)
 @pytest.mark.parametrize("with_bad", [False, True])
-def test_weights_and_mask_match_naive(flags, with_bad):
+def test_weights_mask_and_metrics_match_naive(flags, with_bad):
     cfg = CorrectionConfig(**flags)
-    old, rollout, current, mask, adv = make_batch(seed=hash(str(flags)) % 1000, with_bad=with_bad)
+    old, rollout, current, mask, adv = make_batch(seed=seed_of(flags), with_bad=with_bad)
     out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
-                             advantages=adv, current_logprobs=current)
-    w_ref, keep_ref = naive_correction(cfg, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
-    torch.testing.assert_close(out.weights, torch.tensor(w_ref), rtol=1e-5, atol=1e-6)
-    assert out.mask.tolist() == [[float(k) for k in row] for row in keep_ref]
+                             advantages=adv, current_logprobs=current, with_metrics=True)
+    lists = as_lists(old, rollout, mask)
+    ref = naive_correction(flags, *lists, adv.tolist(), current.tolist())
+    torch.testing.assert_close(out.weights, torch.tensor(ref.weights), rtol=1e-5, atol=1e-6)
+    assert out.mask.tolist() == [[float(k) for k in row] for row in ref.keep]
     assert not out.weights.requires_grad
+    assert_metrics_match(out.metrics, naive_metrics(flags, *lists, ref, adv.tolist(), current.tolist()))
 
 
 @pytest.mark.parametrize("delta", [0.01, 0.05])
 @pytest.mark.parametrize("with_bad", [False, True])
 def test_off_policy_sequence_mask_matches_naive(delta, with_bad):
-    cfg = CorrectionConfig(off_policy_sequence_mask_delta=delta)
+    flags = dict(off_policy_sequence_mask_delta=delta)
     old, rollout, current, mask, adv = make_batch(seed=3, spread=0.1, with_bad=with_bad)
-    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
-                             advantages=adv, current_logprobs=current)
-    _, keep_ref = naive_correction(cfg, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
-    assert out.mask.tolist() == [[float(k) for k in row] for row in keep_ref]
+    out = compute_correction(CorrectionConfig(**flags), old_logprobs=old, rollout_logprobs=rollout,
+                             response_mask=mask, advantages=adv, current_logprobs=current)
+    ref = naive_correction(flags, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
+    assert out.mask.tolist() == [[float(k) for k in row] for row in ref.keep]
+    assert out.off_policy_masked.tolist() == ref.off_policy
+    assert any(ref.off_policy), "the batch must make the mask act"
     # It only ever masks negative-advantage sequences.
     masked_seqs = out.off_policy_masked.nonzero().flatten().tolist()
     assert all(adv[i] < 0 for i in masked_seqs)
@@ -103,33 +125,56 @@ def test_token_advantages_are_averaged_per_sequence():
     assert torch.equal(out_seq.mask, out_tok.mask)
 
 
+def test_token_level_advantages_match_naive():
+    """(B, T) advantages: per-sequence mean for the off-policy mask, per-token sign for C(r)."""
+    flags = dict(rollout_importance_sampling_mode="token_truncate", off_policy_sequence_mask_delta=0.005)
+    old, rollout, current, mask, _ = make_batch(seed=14, spread=0.1, with_bad=True)
+    adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
+    current = current.requires_grad_()
+    out = compute_correction(CorrectionConfig(**flags), old_logprobs=old, rollout_logprobs=rollout,
+                             response_mask=mask, advantages=adv, current_logprobs=current)
+    loss, metrics = policy_loss(CorrectionConfig(**flags), current_logprobs=current, old_logprobs=old,
+                                advantages=adv, correction=out)
+    loss.backward()
+    ref = naive_everything(flags, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
+    assert any(ref["correction"].off_policy)
+    assert out.mask.tolist() == [[float(k) for k in row] for row in ref["keep"]]
+    assert loss.item() == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(current.grad, torch.tensor(ref["grad"]), rtol=1e-5, atol=1e-7)
+    assert_metrics_match(metrics, ref["metrics"])
+
+
 @pytest.mark.parametrize("mode", MODES[1:])
 @pytest.mark.parametrize("reduction", ["geometric_mean", "product"])
-def test_metrics_match_naive(mode, reduction):
-    cfg = CorrectionConfig(rollout_importance_sampling_mode=mode, rollout_importance_sampling_threshold=1.2,
-                           rollout_importance_sampling_sequence_reduction=reduction)
+def test_metrics_without_advantages_match_naive(mode, reduction):
+    flags = dict(rollout_importance_sampling_mode=mode, rollout_importance_sampling_threshold=1.2,
+                 rollout_importance_sampling_sequence_reduction=reduction)
     old, rollout, current, mask, adv = make_batch(seed=11, spread=0.2)
-    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
-    ref = naive_metrics(cfg, *as_lists(old, rollout, mask), out.weights.tolist())
-    for key, value in ref.items():
-        assert out.metrics[f"rollout_correction/{key}"] == pytest.approx(value, rel=2e-5, abs=2e-6), key
+    out = compute_correction(CorrectionConfig(**flags), old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
+    lists = as_lists(old, rollout, mask)
+    ref = naive_metrics(flags, *lists, naive_correction(flags, *lists))
+    assert_metrics_match(out.metrics, ref)
+    assert ref["rollout_correction/loss_contrib_pos"] == 0.0  # no advantages, no C(r)
 
 
 def test_fraction_metrics_count_what_they_say():
-    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.1,
-                           rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02)
+    flags = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.1,
+                 rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02)
     old, rollout, current, mask, adv = make_batch(seed=12, spread=0.3, with_bad=True)
-    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
-                             advantages=adv, current_logprobs=current)
-    valid = mask.bool()
-    n = valid.sum().item()
-    ratio = out.log_ratio.exp()
-    assert out.metrics["rollout_correction/clipped_frac"] == pytest.approx(((ratio > 1.1) & valid).sum().item() / n)
-    assert out.metrics["rollout_correction/rejected_token_frac"] == pytest.approx(
-        ((out.mask == 0) & valid).sum().item() / n)
-    assert out.metrics["rollout_correction/rejected_seq_frac"] == pytest.approx(
-        ((out.mask == 0) & valid).any(-1).float().mean().item())
-    assert out.metrics["rollout_correction/nonfinite_frac"] == pytest.approx(3 / n)
+    out = compute_correction(CorrectionConfig(**flags), old_logprobs=old, rollout_logprobs=rollout,
+                             response_mask=mask, advantages=adv, current_logprobs=current)
+    ref = naive_correction(flags, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
+    valid = mask.bool().tolist()
+    n = sum(map(sum, valid))
+    seqs = [i for i, row in enumerate(valid) if any(row)]
+    clipped = sum(ref.clipped[i][t] for i, row in enumerate(valid) for t, v in enumerate(row) if v)
+    rejected = sum(ref.rejected[i][t] for i, row in enumerate(valid) for t, v in enumerate(row) if v)
+    rejected_seqs = sum(any(ref.rejected[i]) for i in seqs)
+    assert 0 < clipped < n and 0 < rejected < n and 0 < rejected_seqs <= len(seqs)  # the batch makes them act
+    assert out.metrics["rollout_correction/clipped_frac"] == pytest.approx(clipped / n)
+    assert out.metrics["rollout_correction/rejected_token_frac"] == pytest.approx(rejected / n)
+    assert out.metrics["rollout_correction/rejected_seq_frac"] == pytest.approx(rejected_seqs / len(seqs))
+    assert out.metrics["rollout_correction/nonfinite_frac"] == pytest.approx(3 / n)  # the three make_batch plants
 
 
 def test_loss_contribution_split_by_advantage_sign():
@@ -154,31 +199,37 @@ def test_loss_contribution_split_by_advantage_sign():
 def test_policy_loss_matches_naive(agg, clip_c, flags):
     cfg = CorrectionConfig(**flags)
     old, rollout, current, mask, adv = make_batch(seed=21, spread=0.15)
-    current = (old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.4).requires_grad_()
+    current = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.4
+    current[adv < 0, 0] += 1.5  # r > e^1.5 > clip_ratio_c on a negative-advantage token: the dual clip binds
+    current.requires_grad_()
     out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
-                             advantages=adv, current_logprobs=current)
+                             advantages=adv, current_logprobs=current, with_metrics=True)
     loss, metrics = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out,
                                 clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_c, loss_agg_mode=agg)
-    w = out.weights.tolist() if cfg.rollout_importance_sampling_mode else [[1.0] * old.shape[1]] * old.shape[0]
-    keep = out.mask.bool().tolist()
-    ref = naive_ppo_loss(current.tolist(), old.tolist(), adv.tolist(), w, keep, 0.2, 0.28, clip_c, agg)
-    assert loss.item() == pytest.approx(ref, rel=1e-5, abs=1e-7)
+    ref = naive_everything(flags, *as_lists(old, rollout, mask), adv.tolist(), current.tolist(),
+                           eps_low=0.2, eps_high=0.28, clip_c=clip_c, agg=agg)
+    assert loss.item() == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     loss.backward()
-    assert torch.isfinite(current.grad).all()
-    assert (current.grad[~out.mask.bool()] == 0).all()
-    assert 0.0 <= metrics["policy/pg_clipfrac"] <= 1.0
+    torch.testing.assert_close(current.grad, torch.tensor(ref["grad"]), rtol=1e-5, atol=1e-7)
+    assert_metrics_match(metrics, ref["metrics"])
+    assert ref["metrics"]["policy/pg_clipfrac"] > 0  # the batch makes the clip act
+    if clip_c is not None:
+        assert ref["metrics"]["policy/pg_clipfrac_lower"] > 0
 
 
 def test_gradient_matches_autograd_of_naive_formula():
     """The weights scale the gradient of each token's surrogate and carry none themselves."""
-    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2)
+    flags = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2)
+    cfg = CorrectionConfig(**flags)
     old, rollout, _, mask, adv = make_batch(seed=8)
     current = old.clone().requires_grad_()
     out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
     loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
     loss.backward()
-    # At current == old the ratio is 1 (no clipping), so d loss / d logp_t = -A w_t / N.
-    expected = -adv[:, None] * out.weights * mask / mask.sum()
+    # At current == old the ratio is 1 (no clipping), so d loss / d logp_t = -A w_t / N (w from the naive reference).
+    w = torch.tensor(naive_correction(flags, *as_lists(old, rollout, mask)).weights)
+    assert (w < 1.2).any() and (w == 1.2).any()  # some truncated, some not
+    expected = -adv[:, None] * w * mask / mask.sum()
     torch.testing.assert_close(current.grad, expected, rtol=1e-5, atol=1e-7)
 
 
