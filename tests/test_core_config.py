@@ -13,28 +13,59 @@ from rollout_parity import CorrectionConfig
 
 DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
 
+#: DESIGN.md's flag table (name -> default), written out so a clone without ../shared checks it too.
+DESIGN_DEFAULTS = {
+    "rollout_importance_sampling_mode": None,
+    "rollout_importance_sampling_threshold": 2.0,
+    "rollout_importance_sampling_threshold_lower": None,
+    "rollout_importance_sampling_sequence_reduction": "geometric_mean",
+    "rollout_importance_sampling_sequence_mask_weight": "token",
+    "rollout_rejection": None,
+    "rollout_rejection_threshold": None,  # "—": no default, required with rollout_rejection
+    "off_policy_sequence_mask_delta": None,
+    "old_logprob_source": "recompute",
+    "log_rollout_offpolicy_metrics": False,
+    "fp32_lm_head": False,
+}
 
-def design_flag_names():
-    text = DESIGN.read_text() if DESIGN.exists() else ""
-    table = text.split("## The shared flags", 1)[-1].split("Notation:", 1)[0]
-    return re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
+
+def design_flag_table():
+    """``{flag: default}`` parsed from DESIGN.md's table, or None when ../shared is not beside the checkout."""
+    if not DESIGN.exists():
+        return None
+    table = DESIGN.read_text().split("## The shared flags", 1)[-1].split("Notation:", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|.*\| ([^|]+) \|$", table, flags=re.M)
+    words = {"`null`": None, "—": None, "false": False, "true": True}
+
+    def value(text):
+        text = text.strip()
+        if text in words:
+            return words[text]
+        try:
+            return float(text)
+        except ValueError:
+            return text.strip("`")
+
+    return {name: value(default) for name, default in rows}
 
 
 def test_every_design_flag_exists_with_its_default():
-    names = design_flag_names()
-    if not names:
-        pytest.skip("shared/DESIGN.md is not beside the checkout")
+    """Always runs: CorrectionConfig's fields and defaults are exactly DESIGN.md's table."""
     fields = {f.name: f.default for f in dataclasses.fields(CorrectionConfig)}
-    assert set(names) == set(fields), "CorrectionConfig and DESIGN.md's flag table disagree"
+    assert fields == DESIGN_DEFAULTS
     cfg = CorrectionConfig()
-    assert cfg.rollout_importance_sampling_mode is None
-    assert cfg.rollout_importance_sampling_threshold == 2.0
-    assert cfg.rollout_importance_sampling_threshold_lower is None
-    assert cfg.rollout_importance_sampling_sequence_reduction == "geometric_mean"
-    assert cfg.rollout_importance_sampling_sequence_mask_weight == "token"
-    assert cfg.rollout_rejection is None and cfg.off_policy_sequence_mask_delta is None
-    assert cfg.old_logprob_source == "recompute"
+    assert {name: getattr(cfg, name) for name in DESIGN_DEFAULTS} == DESIGN_DEFAULTS
+    assert cfg.rollout_importance_sampling_threshold == 2.0 and type(cfg.rollout_importance_sampling_threshold) is float
     assert cfg.log_rollout_offpolicy_metrics is False and cfg.fp32_lm_head is False
+    assert not cfg.changes_loss and not cfg.wants_metrics
+
+
+def test_design_md_table_is_the_one_written_here():
+    """Optional: only where ../shared/DESIGN.md sits beside the checkout."""
+    table = design_flag_table()
+    if table is None:
+        pytest.skip("shared/DESIGN.md is not beside the checkout (the defaults are still checked above)")
+    assert table == DESIGN_DEFAULTS
 
 
 @pytest.mark.parametrize("flags, flag_named", [
