@@ -12,11 +12,15 @@ only on an intended change of the math: ``python -m integration_tests.shared_bat
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
 
@@ -37,6 +41,7 @@ EXTRA_CONFIGS = {
 }
 LOSS_KWARGS = dict(clip_ratio=0.2, loss_agg_mode="token-mean")
 EXPECTED_PATH = Path(__file__).with_name("shared_batch_expected.json")
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "presets"
 
 
 @dataclass
@@ -68,6 +73,15 @@ def make_shared_batch() -> SharedBatch:
     return SharedBatch(old, rollout, current.requires_grad_(True), mask, advantages)
 
 
+def raw_flags(name: str) -> dict:
+    """The flags of config ``name`` as written (the preset's YAML or ``EXTRA_CONFIGS``), unparsed."""
+    if name in EXTRA_CONFIGS:
+        return dict(EXTRA_CONFIGS[name])
+    data = yaml.safe_load((PRESETS_DIR / f"{name}.yaml").read_text())
+    data.pop("description", None)
+    return data
+
+
 def config_for(name: str) -> CorrectionConfig:
     if name in EXTRA_CONFIGS:
         return CorrectionConfig(**EXTRA_CONFIGS[name])
@@ -97,8 +111,61 @@ def _to_json(ref: dict) -> dict:
     return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in ref.items()}
 
 
+def naive_reference():
+    """``tests/naive_reference.py``, loaded by path: verl installs a top-level ``tests`` package of
+    its own, so ``import tests.naive_reference`` could find the wrong one."""
+    name = "rollout_parity_tests_naive_reference"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "tests" / "naive_reference.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before exec: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def naive_outputs(name: str, batch: SharedBatch | None = None) -> dict:
+    """The naive reference's weights, keep mask, loss, gradient and metrics for config ``name``."""
+    batch = batch or make_shared_batch()
+    return naive_reference().naive_everything(
+        raw_flags(name), batch.old_logprobs.tolist(), batch.rollout_logprobs.tolist(),
+        batch.response_mask.tolist(), batch.advantages.tolist(), batch.current_logprobs.detach().tolist(),
+        eps_low=LOSS_KWARGS["clip_ratio"], eps_high=LOSS_KWARGS["clip_ratio"], agg=LOSS_KWARGS["loss_agg_mode"])
+
+
+def naive_disagreements(name: str, frozen: dict, batch: SharedBatch | None = None) -> list[str]:
+    """Where ``frozen`` (one config's outputs, as in the JSON) and the naive reference disagree."""
+    naive = naive_outputs(name, batch)
+    problems = []
+
+    def close(a, b, rel=1e-5, abs_=1e-6):
+        return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+    for what, ours in (("weights", frozen["weights"]), ("grad", frozen["grad"])):
+        theirs = naive[what]
+        bad = [(i, t) for i, row in enumerate(ours) for t, v in enumerate(row) if not close(v, theirs[i][t])]
+        if bad:
+            i, t = bad[0]
+            problems.append(f"{what}: {len(bad)} entries differ, first [{i}][{t}] {ours[i][t]} vs naive {theirs[i][t]}")
+    if frozen["mask"] != [[float(k) for k in row] for row in naive["keep"]]:
+        problems.append("mask differs")
+    if not close(frozen["loss"], naive["loss"]):
+        problems.append(f"loss {frozen['loss']} vs naive {naive['loss']}")
+    if set(frozen["metrics"]) != set(naive["metrics"]):
+        problems.append(f"metric names differ: {sorted(set(frozen['metrics']) ^ set(naive['metrics']))}")
+    for key in sorted(set(frozen["metrics"]) & set(naive["metrics"])):
+        if not close(frozen["metrics"][key], naive["metrics"][key]):
+            problems.append(f"{key}: {frozen['metrics'][key]} vs naive {naive['metrics'][key]}")
+    return problems
+
+
 def write_expected() -> None:
     data = {name: _to_json(core_reference(name)) for name in all_config_names()}
+    problems = {name: naive_disagreements(name, frozen) for name, frozen in data.items()}
+    problems = {name: p for name, p in problems.items() if p}
+    if problems:
+        raise SystemExit(f"not writing {EXPECTED_PATH.name}: the core disagrees with tests/naive_reference.py: "
+                         f"{json.dumps(problems, indent=1)}")
     EXPECTED_PATH.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
