@@ -22,7 +22,8 @@ import torch
 
 from .config import CorrectionConfig, RejectionRule
 from .metrics import correction_metrics
-from .ratios import TokenStats, check_shapes, compute_dtype, sanitized_log_ratio
+from .ratios import (TokenStats, check_shapes, compute_dtype, nonfinite_mask, sanitized_log_ratio,
+                     zero_padding_advantages)
 
 
 @dataclass
@@ -31,7 +32,8 @@ class CorrectionOutput:
 
     ``old_logprobs`` is the π_old the PPO ratio must use: the recomputed trainer logprobs,
     or the rollout logprobs under ``old_logprob_source='bypass'``. ``rejected`` and
-    ``nonfinite`` are float 0/1 ``(B, T)`` masks of the valid tokens they name;
+    ``nonfinite`` are float 0/1 ``(B, T)`` masks of the valid tokens they name (``nonfinite``:
+    a logprob the correction read, π_old, π_rollout or π_θ, is NaN or ±inf);
     ``off_policy_masked`` is a bool ``(B,)``.
     """
 
@@ -205,7 +207,21 @@ def compute_correction(
         log_ratio, nonfinite = sanitized_log_ratio(base, rollout_logprobs, valid_f)
     else:
         log_ratio, nonfinite = torch.zeros_like(valid_f), torch.zeros_like(valid_f)
-    stats = TokenStats(log_ratio, valid_f, nonfinite)
+    # Beyond r_corr's two logprobs the correction reads π_θ (diagnostics, off-policy mask) and,
+    # without rollout logprobs, π_old for the off-policy mask: a non-finite one there is neutral
+    # (drift 0, no C(r)) and counted too.
+    delta_on = cfg.off_policy_sequence_mask_delta is not None
+    read_nonfinite = nonfinite
+    also_read = []
+    if current_logprobs is not None and not bypass and (want_metrics or delta_on):
+        also_read.append(current_logprobs)
+    if rollout_logprobs is None and old_logprobs is not None and delta_on:
+        also_read.append(old_logprobs)
+    for values in also_read:
+        read_nonfinite = torch.maximum(read_nonfinite, nonfinite_mask(values, valid_f))
+    stats = TokenStats(log_ratio, valid_f, nonfinite, read_nonfinite)
+    if advantages is not None and (want_metrics or delta_on):
+        advantages = zero_padding_advantages(advantages.detach(), valid_f)
     seq_lr = stats.sequence_log_ratio(cfg.rollout_importance_sampling_sequence_reduction)
 
     if cfg.rollout_importance_sampling_mode is not None:
@@ -235,8 +251,8 @@ def compute_correction(
         # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's valid tokens; a token with a
         # non-finite logprob is neutral (drift 0) but still counted, as TRL does for a NaN.
         behaviour_name = "rollout" if rollout_logprobs is not None else "old"
-        delta = (stats.finite_row_sum(behaviour_name, behaviour) - stats.finite_row_sum("current", current_logprobs)
-                 ) / stats.tokens_per_seq.clamp_min(1.0)
+        delta = (stats.finite_row_sum(behaviour_name, behaviour, clean=True)
+                 - stats.finite_row_sum("current", current_logprobs, clean=True)) / stats.tokens_per_seq.clamp_min(1.0)
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, stats) < 0)
         seq_keep = seq_keep & ~off_policy
 
@@ -273,7 +289,7 @@ def compute_correction(
             clipped=clipped,
             rejected=rejected,
             off_policy=off_policy,
-            nonfinite=nonfinite,
+            nonfinite=read_nonfinite,
             advantages=advantages,
             current_logprobs=current_logprobs,
             bypass=bypass,
@@ -289,5 +305,5 @@ def compute_correction(
         sequence_log_ratio=seq_lr,
         rejected=rejected if rejected is not None else torch.zeros_like(valid_f),
         off_policy_masked=off_policy,
-        nonfinite=nonfinite,
+        nonfinite=read_nonfinite,
     )

@@ -16,6 +16,12 @@ Aggregation over the corrected mask (verl's names):
 ``global_num_tokens``/``global_num_seqs`` replace the local ``N_tok``/``N_seq`` for
 data-parallel or NeMo RL-style global normalisation. An empty mask gives a zero loss that
 still backpropagates.
+
+Non-finite inputs (DESIGN.md, "Bad input"): a NaN or +inf π_old is neutral (ratio 1, the
+token keeps ∇ log π_θ); a −inf π_θ or π_old is maximal mismatch (log-ratio at ±20, no
+gradient); a NaN or +inf π_θ has neither a value nor a gradient to give, so that token leaves
+the loss and its metrics (``compute_correction`` counts it in ``nonfinite_frac``). NaN
+advantages on padding are ignored. Loss, gradient and ``policy/*`` stay finite.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 from .config import CorrectionConfig
 from .correction import CorrectionOutput
-from .ratios import LOG_RATIO_BOUND, check_shapes
+from .ratios import LOG_RATIO_BOUND, check_shapes, zero_padding_advantages
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -76,16 +82,21 @@ def clipped_surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token clipped PPO loss, the float 0/1 masks of clipped and dual-clipped tokens, and log r.
 
-    A NaN π_old (an engine's NaN under bypass, where π_old is π_rollout) is neutral: that
-    token's ratio is 1 and it still carries the policy gradient, ``∇ log π_θ``. A −inf π_old
-    is maximal mismatch, the ratio at its ±20 log bound, as in ``compute_correction``.
+    A NaN (or +inf) π_old (an engine's NaN under bypass, where π_old is π_rollout) is
+    neutral: that token's ratio is 1 and it still carries the policy gradient, ``∇ log π_θ``.
+    A −inf π_old or π_θ is maximal mismatch, the ratio at its ±20 log bound, as in
+    ``compute_correction``. A NaN/+inf π_θ gives a finite value with zero gradient; the
+    caller removes that token from the mask. Every output is finite where the advantages are.
     """
+    # nan_to_num passes no gradient to the entries it replaces, so none flows into a NaN π_θ.
+    current = current_logprobs.nan_to_num(0.0, 0.0, float("-inf"))
     old = old_logprobs.detach()
-    nan_old = torch.isnan(old).to(current_logprobs.dtype)
-    # cur - old where π_old is a number; cur - stop_grad(cur) (value 0, gradient 1) where it is NaN.
-    log_ratio = (current_logprobs - old.nan_to_num(0.0, float("inf"), float("-inf"))).mul(1.0 - nan_old)
-    log_ratio = (log_ratio + (current_logprobs - current_logprobs.detach()) * nan_old
-                 ).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    neutral_old = torch.isnan(old).logical_or_(torch.isposinf(old))
+    # cur - old where π_old is a number; cur - stop_grad(cur) (value 0, gradient 1) where it is not.
+    old = torch.where(neutral_old, current.detach(), old)
+    # −inf on one side: ±inf, at the bound with no gradient; on both sides: NaN, they agree (0).
+    log_ratio = (current - old).nan_to_num(0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -130,6 +141,11 @@ def policy_loss(
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode: unknown value {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
+    clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    for name, value in (("clip_ratio_low", clip_low), ("clip_ratio_high", clip_high)):
+        if not value >= 0:  # also catches NaN
+            raise ValueError(f"{name} (or clip_ratio) must be >= 0, got {value}")
     if correction is None and cfg.changes_loss:
         raise ValueError(
             "policy_loss got no correction, but the config changes the loss "
@@ -152,7 +168,6 @@ def policy_loss(
         if advantages.shape[0] != current_logprobs.shape[0]:
             raise ValueError(f"shape mismatch: advantages has shape {tuple(advantages.shape)} but "
                              f"current_logprobs has shape {tuple(current_logprobs.shape)}")
-        advantages = advantages.unsqueeze(-1)
     else:
         check_shapes("current_logprobs", current_logprobs, advantages=advantages)
 
@@ -160,17 +175,19 @@ def policy_loss(
     mask_f = reference.to(dtype)
     if correction is not None and response_mask is not None:
         mask_f = mask_f * correction.mask.to(dtype)
+    # A NaN/+inf π_θ has no value and no gradient to give: that token leaves the loss.
+    cur = current_logprobs.detach()
+    mask_f = mask_f * torch.isnan(cur).logical_or_(torch.isposinf(cur)).logical_not_()
+    # Every input is made finite where the mask is 0, so masking by multiplication is exact (0 * NaN would be NaN).
+    advantages = zero_padding_advantages(advantages.detach().to(dtype), mask_f)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
 
-    clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
-    clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     per_token, was_clipped, dual, log_ratio = clipped_surrogate(
-        current_logprobs.to(dtype), old_logprobs.to(dtype), advantages.detach().to(dtype),
-        clip_low, clip_high, clip_ratio_c,
+        current_logprobs.to(dtype), old_logprobs.to(dtype), advantages, clip_low, clip_high, clip_ratio_c,
     )
     if correction is not None and cfg.rollout_importance_sampling_mode is not None:
         per_token = per_token * correction.weights.to(dtype)
-    # Masked-out tokens contribute exactly 0 even when their logprobs are NaN (0 * NaN is NaN).
-    per_token = torch.where(mask_f > 0, per_token, per_token.new_zeros(()))
     loss = aggregate(per_token, mask_f, loss_agg_mode, global_num_tokens=global_num_tokens,
                      global_num_seqs=global_num_seqs, loss_scale_factor=loss_scale_factor)
 

@@ -9,7 +9,7 @@ sign of A (paper eq. 5, ../shared/seeds/tim-diagnosis-paper.txt), whose skew war
 TIM before KL does.
 
 Every statistic is built from sums, counts, maxima and minima. With a process group
-they are all-reduced (two collectives: SUM and MAX), so a data-parallel run logs the
+they are all-reduced in float64 (two collectives: SUM and MAX), so a data-parallel run logs the
 metrics of the global batch, equal to one process seeing the concatenated batch.
 
 Definitions (``lr = log r`` sanitised and clamped, see ``ratios.py``; token means are
@@ -19,12 +19,15 @@ over valid tokens; sequence means over sequences with at least one valid token):
 * ``training_log_ppl = mean_i(−mean_t log π_train)``, ``training_ppl = mean_i exp(that)``,
   the same for ``rollout_*``; ``log_ppl_diff_i = mean_t log π_rollout − mean_t log π_train``
   with its mean, mean absolute value, max and min; ``ppl_ratio = mean_i exp(log_ppl_diff_i)``.
-  Perplexities use each sequence's tokens where both logprobs are finite.
+  Perplexities use each sequence's tokens where both logprobs are finite, and are
+  computed in float64 (a one-token sequence at logprob −90 has perplexity e^90, past fp32).
 * ``chi2_token = mean_t r² − 1``; ``chi2_seq = mean_i ρ_seq² − 1`` with the configured
   sequence reduction (geometric mean in ms-swift, product in verl).
 * ``is_weight_mean = mean_t w``; ``ess = (Σ w)² / (n Σ w²)`` over valid tokens, with
   ``w`` the applied IS weights (the raw ``r`` when no IS mode is set): 1 on-policy.
 * ``clipped_frac``: valid tokens whose weight was truncated or zeroed by the IS mode.
+* ``nonfinite_frac``: valid tokens with a NaN or ±inf among the logprobs the correction read
+  (π_old, π_rollout, and π_θ when given), each counted once.
 * ``loss_contrib_pos``/``loss_contrib_neg``: ``Σ C(r_ppo^train)`` over finite tokens with
   A > 0 / A < 0, divided by the valid-token count (so they add to the token-mean); the
   ``loss_contrib_rollout_*`` pair uses ``r_ppo^rollout = π_θ/π_rollout``.
@@ -116,13 +119,13 @@ def correction_metrics(
         s["w"] = flat_w.sum()
         s["w2"] = torch.dot(flat_w, flat_w)
 
-    # Perplexities: per sequence, over tokens where both sides are finite.
+    # Perplexities: per sequence, over tokens where both sides are finite; (B,) vectors, so float64 is free.
     n_fin = stats.finite_per_seq
     ppl_seq = n_fin > 0
-    ppl_seq_f = ppl_seq.to(dtype)
-    denom = n_fin.clamp_min(1.0)
-    mean_train = stats.finite_row_sum(base_name, base_logprobs) / denom
-    mean_roll = stats.finite_row_sum("rollout", rollout_logprobs) / denom
+    ppl_seq_f = ppl_seq.to(torch.float64)
+    denom = n_fin.clamp_min(1.0).to(torch.float64)
+    mean_train = stats.finite_row_sum(base_name, base_logprobs).to(torch.float64) / denom
+    mean_roll = stats.finite_row_sum("rollout", rollout_logprobs).to(torch.float64) / denom
     lpd = mean_roll - mean_train
     s["n_ppl_seq"] = ppl_seq_f.sum()
     s["train_log_ppl"] = (-mean_train * ppl_seq_f).sum()
@@ -139,8 +142,8 @@ def correction_metrics(
     for key in ("c_pos", "c_neg", "c_roll_pos", "c_roll_neg"):
         s[key] = zero
     if advantages is not None and current_logprobs is not None:
-        adv = advantages.detach().to(dtype)
-        finite_f = stats.finite_f
+        adv = advantages.detach().to(dtype)  # 0 on padding (compute_correction zeroed it there)
+        finite_f = stats.clean_f  # every logprob read is finite
         old = rollout_logprobs if bypass else base_logprobs
         lr_train = (current_logprobs.detach().to(dtype) - old.detach().to(dtype)).nan_to_num_(0.0, 0.0, 0.0)
         lr_train.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(finite_f)
@@ -159,7 +162,7 @@ def correction_metrics(
             s[f"{tag}_pos"] = (contrib * pos).sum()
             s[f"{tag}_neg"] = (contrib * neg).sum()
 
-    neg_inf = torch.full((), float("-inf"), dtype=dtype, device=valid_f.device)
+    neg_inf = torch.full((), float("-inf"), dtype=torch.float64, device=valid_f.device)
     m = {
         # |lr| is 0 on padding and >= 0 elsewhere, so the plain max is the valid max.
         "delta_abs_max": abs_lr.amax() if log_ratio.numel() else neg_inf,
@@ -167,8 +170,8 @@ def correction_metrics(
         "neg_lpd_min": torch.where(ppl_seq, -lpd, neg_inf).amax() if lpd.numel() else neg_inf,
     }
 
-    sums = torch.stack([s[k].to(dtype) for k in _SUM_KEYS])
-    maxes = torch.stack([m[k].to(dtype) for k in _MAX_KEYS])
+    sums = torch.stack([s[k].to(torch.float64) for k in _SUM_KEYS])
+    maxes = torch.stack([m[k].to(torch.float64) for k in _MAX_KEYS])
     _all_reduce(sums, maxes, process_group)
     values = torch.cat([sums, maxes]).tolist()  # the one host sync
     g = dict(zip(_SUM_KEYS + _MAX_KEYS, values))

@@ -78,6 +78,24 @@ def sanitized_log_ratio(
     return log_ratio.mul_(valid_f), nonfinite
 
 
+def nonfinite_mask(values: torch.Tensor, valid_f: torch.Tensor) -> torch.Tensor:
+    """Float 0/1 mask of the valid tokens where ``values`` is NaN or ±inf."""
+    x = values.detach().to(valid_f.dtype)
+    # x - x is 0 for a finite x and NaN for NaN or ±inf (a fresh tensor, so the rest is in place).
+    return torch.sub(x, x).nan_to_num_(nan=1.0).mul_(valid_f)
+
+
+def zero_padding_advantages(advantages: torch.Tensor, valid_f: torch.Tensor) -> torch.Tensor:
+    """Advantages with padding (``(B, T)``) or empty sequences (``(B,)``) set to 0.
+
+    Frameworks fill padding as they like; a NaN there (an empty sequence's GRPO advantage
+    with std 0) would turn into NaN through ``0 * NaN`` however it is masked afterwards.
+    A NaN advantage on a valid token is left alone: that is a reward bug, and a NaN loss says so.
+    """
+    keep = valid_f > 0 if advantages.dim() == 2 else valid_f.sum(dim=-1) > 0
+    return torch.where(keep, advantages, advantages.new_zeros(()))
+
+
 class TokenStats:
     """The per-token quantities every part of the correction reads, each computed once.
 
@@ -87,17 +105,22 @@ class TokenStats:
     ``log_ratio`` is zero on padding, so ``ratio`` is one there and every K estimator zero.
     """
 
-    def __init__(self, log_ratio: torch.Tensor, valid_f: torch.Tensor, nonfinite_f: torch.Tensor):
+    def __init__(self, log_ratio: torch.Tensor, valid_f: torch.Tensor, nonfinite_f: torch.Tensor,
+                 read_nonfinite_f: Optional[torch.Tensor] = None):
         self.log_ratio = log_ratio
         self.valid_f = valid_f
+        #: valid tokens where a logprob of r_corr (π_old or π_rollout) is not finite
         self.nonfinite_f = nonfinite_f
+        #: ... or any other logprob the correction reads (π_θ, the off-policy mask's π_old): counted
+        self.read_nonfinite_f = nonfinite_f if read_nonfinite_f is None else read_nonfinite_f
         self.tokens_per_seq = valid_f.sum(dim=-1)
         self.row_log_ratio = log_ratio.sum(dim=-1)
         self._ratio: Optional[torch.Tensor] = None
         self._k2: Optional[torch.Tensor] = None
         self._k3: Optional[torch.Tensor] = None
         self._finite_f: Optional[torch.Tensor] = None
-        self._finite_row_sums: dict[str, torch.Tensor] = {}
+        self._clean_f: Optional[torch.Tensor] = None
+        self._finite_row_sums: dict[tuple[str, bool], torch.Tensor] = {}
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -107,23 +130,33 @@ class TokenStats:
 
     @property
     def finite_f(self) -> torch.Tensor:
-        """Valid tokens whose two logprobs are finite (float 0/1)."""
+        """Valid tokens whose two logprobs of r_corr are finite (float 0/1): the perplexities' tokens."""
         if self._finite_f is None:
             self._finite_f = self.valid_f - self.nonfinite_f
         return self._finite_f
 
     @property
-    def finite_per_seq(self) -> torch.Tensor:
-        if "__count__" not in self._finite_row_sums:
-            self._finite_row_sums["__count__"] = self.finite_f.sum(dim=-1)
-        return self._finite_row_sums["__count__"]
+    def clean_f(self) -> torch.Tensor:
+        """Valid tokens whose every logprob read is finite (float 0/1): the off-policy drift's and C(r)'s."""
+        if self._clean_f is None:
+            self._clean_f = self.finite_f if self.read_nonfinite_f is self.nonfinite_f else (
+                self.valid_f - self.read_nonfinite_f)
+        return self._clean_f
 
-    def finite_row_sum(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        """Σ_t over each sequence's finite tokens of ``values`` (cached under ``name``)."""
-        if name not in self._finite_row_sums:
-            clean = values.detach().to(self.valid_f.dtype).nan_to_num(0.0, 0.0, 0.0)
-            self._finite_row_sums[name] = clean.mul_(self.finite_f).sum(dim=-1)
-        return self._finite_row_sums[name]
+    @property
+    def finite_per_seq(self) -> torch.Tensor:
+        if ("__count__", False) not in self._finite_row_sums:
+            self._finite_row_sums[("__count__", False)] = self.finite_f.sum(dim=-1)
+        return self._finite_row_sums[("__count__", False)]
+
+    def finite_row_sum(self, name: str, values: torch.Tensor, clean: bool = False) -> torch.Tensor:
+        """Σ_t of ``values`` over each sequence's ``finite_f`` tokens (``clean_f`` with ``clean``),
+        cached under ``name``."""
+        key = (name, clean)
+        if key not in self._finite_row_sums:
+            x = values.detach().to(self.valid_f.dtype).nan_to_num(0.0, 0.0, 0.0)
+            self._finite_row_sums[key] = x.mul_(self.clean_f if clean else self.finite_f).sum(dim=-1)
+        return self._finite_row_sums[key]
 
     def estimator(self, name: str) -> torch.Tensor:
         """Per-token K1 = −lr, K2 = ½ lr², K3 = r − 1 − lr (all zero on padding)."""
