@@ -277,3 +277,21 @@ def test_nan_pi_old_under_bypass_is_a_neutral_token_not_a_nan_loss():
     # Every token sits at ratio 1 (the NaN one by the neutral rule): d loss / d logp = -A / N.
     torch.testing.assert_close(current.grad, -adv[:, None].expand_as(mask) / mask.sum())
     assert out.metrics["rollout_correction/nonfinite_frac"] == pytest.approx(1 / 15)
+
+
+def test_perplexity_of_a_very_unlikely_token_is_finite_and_right():
+    """A one-token sequence at logprob -95 has perplexity e^95, past fp32's range (e^88.7)."""
+    from .naive_reference import naive_correction, naive_metrics
+
+    flags = dict(log_rollout_offpolicy_metrics=True)
+    old, rollout, mask, adv = batch()
+    mask[0, 1:] = 0
+    old[0, 0], rollout[0, 0] = -95.0, -94.5
+    out = compute_correction(CorrectionConfig(**flags), old_logprobs=old, rollout_logprobs=rollout,
+                             response_mask=mask)
+    lists = [t.tolist() for t in (old, rollout, mask)]
+    ref = naive_metrics(flags, *lists, naive_correction(flags, *lists))
+    assert math.isfinite(ref["rollout_correction/training_ppl"]) and ref["rollout_correction/training_ppl"] > 1e40
+    for key in ("training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff_max"):
+        key = "rollout_correction/" + key
+        assert out.metrics[key] == pytest.approx(ref[key], rel=1e-5), key
