@@ -24,7 +24,6 @@ The splice is checked here against what the engine actually saw and sampled.
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 

@@ -24,6 +24,7 @@ from integration_tests.support.nemo_harness import (
     GRPO_READS,
     aggregate,
     finite_or_sentinel,
+    global_counts,
     load,
     nemo_data,
     split_step_rescale,
@@ -156,8 +157,7 @@ def test_plain_is_with_a_minus_inf_engine_logprob_gives_no_huge_weight(nemo):
     cfg = dict(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
     loss_fn = RolloutParityLossFn.from_nemo_config(cfg)
     data, current = make_data(nemo, "nonfinite")
-    batch, gvs, gvt = __import__("integration_tests.support.nemo_harness",
-                                 fromlist=["global_counts"]).global_counts(nemo, data, loss_fn)
+    batch, gvs, gvt = global_counts(nemo, data, loss_fn)
     loss, _ = loss_fn(current, batch, gvs, gvt)
     assert float(loss_fn.last_correction.weights.max()) < 10.0
     assert abs(float(loss.detach())) < 1.0

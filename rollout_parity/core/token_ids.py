@@ -140,6 +140,32 @@ def _nth_position(ids: list, terms: tuple, n: int) -> int:
     return positions[n - 1]
 
 
+#: How far from the end of the template prefix the fast path looks for its last terminator
+#: (a chat template writes at most a newline or two after it).
+_TAIL_SCAN = 64
+_TAIL_WINDOW = 256
+
+
+def _cut_if_template_extends_prefix(template_prefix: list, template: list, terms: tuple) -> int:
+    """The splice cut when ``template`` starts with ``template_prefix``: the prefix's last
+    terminator (the n-th of the template, n counted in the prefix); -1 when the template does
+    not extend its prefix or that terminator is not near the prefix's end."""
+    n = len(template_prefix)
+    if len(template) < n:
+        return -1
+    for pos in range(n - 1, max(n - 1 - _TAIL_SCAN, -1), -1):
+        if template_prefix[pos] in terms:
+            break
+    else:
+        return -1
+    # A window at the end first: a template that stripped or rewrote earlier turns has shifted
+    # everything after them, so it differs there already, and the full pass is saved.
+    window = max(n - _TAIL_WINDOW, 0)
+    if template[window:n] != template_prefix[window:] or template[:n] != template_prefix:
+        return -1
+    return pos
+
+
 def splice_on_policy_token_ids(model_prefix_token_ids: Optional[TokenIds],
                                template_prefix_token_ids: TokenIds,
                                template_token_ids: TokenIds,
@@ -192,18 +218,25 @@ def splice_on_policy_token_ids(model_prefix_token_ids: Optional[TokenIds],
 
     model_cut_end = len(model_prefix) - (1 if model_prefix[-1] in terms else 0)
 
-    needed = _count(template_prefix, terms)
-    if needed == 0:
-        raise MissingTurnTerminatorError(
-            f"no turn terminator {list(terms)} in template_prefix_token_ids "
-            f"(len {len(template_prefix)}): the chat template does not end turns with it; "
-            "pass turn_terminator_ids=<the id that ends each turn>")
-    cut = _nth_position(template, terms, needed)
+    # Fast path, the same cut: when the template extends its prefix (no stripped history),
+    # the n-th terminator of the template is the last one of the prefix. One C-level list
+    # comparison replaces counting the prefix and walking the template.
+    cut = _cut_if_template_extends_prefix(template_prefix, template, terms)
+    needed = -1
+    if cut < 0 or check_history:
+        needed = _count(template_prefix, terms)
     if cut < 0:
-        raise NonMonotonicHistoryError(
-            f"template_token_ids (len {len(template)}) holds {_count(template, terms)} turn "
-            f"terminators but template_prefix_token_ids (len {len(template_prefix)}) holds "
-            f"{needed}: the history shrank between calls (non-monotonic history)")
+        if needed == 0:
+            raise MissingTurnTerminatorError(
+                f"no turn terminator {list(terms)} in template_prefix_token_ids "
+                f"(len {len(template_prefix)}): the chat template does not end turns with it; "
+                "pass turn_terminator_ids=<the id that ends each turn>")
+        cut = _nth_position(template, terms, needed)
+        if cut < 0:
+            raise NonMonotonicHistoryError(
+                f"template_token_ids (len {len(template)}) holds {_count(template, terms)} turn "
+                f"terminators but template_prefix_token_ids (len {len(template_prefix)}) holds "
+                f"{needed}: the history shrank between calls (non-monotonic history)")
     if check_history:
         have = _count(model_prefix, terms) - (len(model_prefix) - model_cut_end)
         if have != needed - 1:
