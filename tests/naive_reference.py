@@ -19,8 +19,9 @@ Bad-input rules (DESIGN.md, "Bad input"), one token at a time:
 * a valid token with any non-finite logprob among those the correction reads is counted in
   ``nonfinite_frac``, and drifts 0 in the off-policy mask and contributes 0 to C(r).
 * in the loss, a NaN/+inf π_old is neutral (ratio 1, the token keeps ∇ log π_θ); a −inf
-  π_θ or π_old is maximal mismatch (ratio at its bound, no gradient); a NaN/+inf π_θ
-  has no value and no gradient to give, so the token leaves the loss.
+  π_θ or π_old is maximal mismatch (ratio at its bound, no gradient; ratio 1 if the other
+  side is NaN or −inf too); a NaN/+inf π_θ has no value and no gradient to give, so the
+  token leaves the loss.
 * an empty batch logs the on-policy values (ratios 1, KL and fractions 0).
 """
 
@@ -370,9 +371,13 @@ def naive_metrics(raw_flags, old, rollout, mask, corr: Naive, advantages=None, c
 
 
 def _ppo_log_ratio(cur, old):
-    """(log r, d log r / d cur) of r = π_θ/π_old under the loss's bad-input rules."""
+    """(log r, d log r / d cur) of r = π_θ/π_old under the loss's bad-input rules.
+
+    A −inf π_θ never gets a gradient (the model calls the token impossible); a finite π_θ
+    next to a NaN π_old keeps its gradient at ratio 1.
+    """
     if is_nan_like(old):
-        return 0.0, 1.0
+        return 0.0, (1.0 if math.isfinite(cur) else 0.0)
     if cur == -INF and old == -INF:
         return 0.0, 0.0
     if cur == -INF:

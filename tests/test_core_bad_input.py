@@ -295,3 +295,16 @@ def test_perplexity_of_a_very_unlikely_token_is_finite_and_right():
     for key in ("training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff_max"):
         key = "rollout_correction/" + key
         assert out.metrics[key] == pytest.approx(ref[key], rel=1e-5), key
+
+
+def test_ess_of_uniformly_tiny_ratios_is_one():
+    """−inf π_old makes r = e^-20 on the only valid token: ESS is scale-free, so 1, not 0 from cancellation."""
+    cfg = CorrectionConfig(log_rollout_offpolicy_metrics=True)
+    old, rollout, mask, adv = batch()
+    mask.zero_()
+    mask[0, 0] = 1
+    old[0, 0] = float("-inf")
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
+    assert out.metrics["rollout_correction/ess"] == pytest.approx(1.0)
+    assert out.metrics["rollout_correction/is_weight_mean"] == pytest.approx(math.exp(-20), rel=1e-5)
+    assert out.metrics["rollout_correction/nonfinite_frac"] == 1.0

@@ -16,7 +16,7 @@ import torch
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
 
-from .naive_reference import naive_correction, naive_everything, naive_metrics
+from .naive_reference import naive_correction, naive_everything, naive_metrics, naive_ppo
 
 MODES = [None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
@@ -274,3 +274,35 @@ def test_bf16_inputs_are_upcast():
                                response_mask=mask)
     assert out16.weights.dtype == torch.float32
     torch.testing.assert_close(out16.weights, out32.weights)
+
+
+def test_dual_clip_holds_its_value_at_huge_ratios():
+    """min(L, -cA) at r = e^19: the float form L - max(L + cA, 0) cancelled to 0 or 32 in fp32."""
+    old = torch.tensor([[-20.0, -1.0, -1.0]])
+    current = torch.tensor([[-1.0, -1.0, -1.5]], requires_grad=True)
+    adv = torch.tensor([-1.0])
+    loss, metrics = policy_loss(CorrectionConfig(), current_logprobs=current, old_logprobs=old, advantages=adv,
+                                response_mask=torch.ones(1, 3), clip_ratio_c=3.0)
+    ref, grad, ref_metrics = naive_ppo(current.tolist(), old.tolist(), adv.tolist(), [[1.0] * 3], [[True] * 3],
+                                       0.2, 0.2, 3.0)
+    assert loss.item() == pytest.approx(ref, rel=1e-6)
+    assert metrics["policy/pg_clipfrac_lower"] == pytest.approx(1 / 3) == ref_metrics["policy/pg_clipfrac_lower"]
+    loss.backward()
+    torch.testing.assert_close(current.grad, torch.tensor(grad))
+    assert current.grad[0, 0] == 0  # the dual-clipped token carries no gradient
+
+
+def test_off_policy_drift_ignores_a_nan_current_logprob():
+    """A NaN π_θ drifts 0: it was read as logprob 0, so δ_i fell by |log π_rollout| / n."""
+    flags = dict(off_policy_sequence_mask_delta=0.05)
+    old = -torch.ones(1, 4)
+    rollout = old.clone()
+    current = old - 0.2  # drift 0.2 > δ on every token
+    current[0, 1] = float("nan")
+    adv = torch.tensor([-1.0])
+    out = compute_correction(CorrectionConfig(**flags), old_logprobs=old, rollout_logprobs=rollout,
+                             response_mask=torch.ones(1, 4), advantages=adv, current_logprobs=current)
+    ref = naive_correction(flags, old.tolist(), rollout.tolist(), [[1.0] * 4], adv.tolist(), current.tolist())
+    assert ref.off_policy == [True]  # δ = 0.2 · 3/4 = 0.15 > 0.05
+    assert out.off_policy_masked.tolist() == [True]
+    assert out.metrics["rollout_correction/nonfinite_frac"] == pytest.approx(1 / 4)

@@ -38,9 +38,17 @@ def poisoned_batches(draw):
     token_adv = draw(st.booleans())
     adv = torch.randn(B, T, generator=g) if token_adv else torch.randn(B, generator=g)
     tensors = {"old": old, "rollout": rollout, "current": current}
-    cells = st.tuples(st.sampled_from(FIELDS), st.integers(0, B - 1), st.integers(0, T - 1), st.sampled_from(BAD))
-    for field, i, t, value in draw(st.lists(cells, min_size=1, max_size=6)):
+    valid = mask.nonzero().tolist() or [[0, 0]]
+    anywhere = [[i, t] for i in range(B) for t in range(T)]
+    # Half on valid tokens (where the rules act), the rest anywhere; sometimes the same cell in
+    # two fields (−inf on both sides of a ratio is its own rule).
+    cells = st.tuples(st.sampled_from(FIELDS), st.booleans(), st.integers(0, 10**6), st.sampled_from(BAD),
+                      st.one_of(st.none(), st.sampled_from(FIELDS)))
+    for field, on_valid, k, value, also in draw(st.lists(cells, min_size=1, max_size=6)):
+        i, t = (valid if on_valid else anywhere)[k % len(valid if on_valid else anywhere)]
         tensors[field][i, t] = value
+        if also is not None:
+            tensors[also][i, t] = value
     # Advantages are not logprobs: poison them on padding only (an empty sequence's NaN GRPO advantage).
     for i, t in draw(st.lists(st.tuples(st.integers(0, B - 1), st.integers(0, T - 1)), max_size=3)):
         if token_adv and mask[i, t] == 0:

@@ -19,7 +19,7 @@ still backpropagates.
 
 Non-finite inputs (DESIGN.md, "Bad input"): a NaN or +inf π_old is neutral (ratio 1, the
 token keeps ∇ log π_θ); a −inf π_θ or π_old is maximal mismatch (log-ratio at ±20, no
-gradient); a NaN or +inf π_θ has neither a value nor a gradient to give, so that token leaves
+gradient; 0 when the other side is NaN or −inf too); a NaN or +inf π_θ has neither a value nor a gradient to give, so that token leaves
 the loss and its metrics (``compute_correction`` counts it in ``nonfinite_frac``). NaN
 advantages on padding are ignored. Loss, gradient and ``policy/*`` stay finite.
 """
@@ -88,13 +88,14 @@ def clipped_surrogate(
     ``compute_correction``. A NaN/+inf π_θ gives a finite value with zero gradient; the
     caller removes that token from the mask. Every output is finite where the advantages are.
     """
-    # nan_to_num passes no gradient to the entries it replaces, so none flows into a NaN π_θ.
-    current = current_logprobs.nan_to_num(0.0, 0.0, float("-inf"))
+    current = current_logprobs
     old = old_logprobs.detach()
     neutral_old = torch.isnan(old).logical_or_(torch.isposinf(old))
     # cur - old where π_old is a number; cur - stop_grad(cur) (value 0, gradient 1) where it is not.
     old = torch.where(neutral_old, current.detach(), old)
-    # −inf on one side: ±inf, at the bound with no gradient; on both sides: NaN, they agree (0).
+    # Every non-finite case ends here as a non-finite difference: −inf on one side gives ±inf (the
+    # bound), a NaN/+inf π_θ or −inf on both sides gives NaN (0). nan_to_num passes no gradient to
+    # the entries it replaces, so none flows from or into a non-finite π_θ.
     log_ratio = (current - old).nan_to_num(0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND)
     log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = log_ratio.exp()
@@ -107,10 +108,11 @@ def clipped_surrogate(
     if clip_ratio_c is not None:
         if not clip_ratio_c > 1.0:
             raise ValueError(f"clip_ratio_c must be > 1.0 for dual clip, got {clip_ratio_c}")
-        # For A < 0: min(loss, -c A) = loss - max(loss + c A, 0).
-        excess = (loss + advantages * clip_ratio_c).clamp(min=0.0) * (advantages < 0).to(loss.dtype)
-        dual = excess.detach().sign()
-        loss = loss - excess
+        # For A < 0: min(loss, -c A), as a minimum: the float form loss - max(loss + c A, 0) cancels
+        # to nothing in fp32 at the ratios dual clip exists for (e^20 at the log-ratio bound).
+        bound = torch.where(advantages < 0, -clip_ratio_c * advantages, float("inf"))
+        dual = (loss.detach() > bound).to(loss.dtype)
+        loss = torch.minimum(loss, bound)
     return loss, was_clipped, dual, log_ratio
 
 

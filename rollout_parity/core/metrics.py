@@ -111,13 +111,11 @@ def correction_metrics(
         "rej_tok": zero if rejected is None else rejected.sum(),
         "rej_seq": zero if rejected is None else (rejected.sum(dim=-1) > 0).to(dtype).sum(),
     }
-    if weights is None:  # diagnostics only: the weight an IS correction would start from, r
-        s["w"] = ratio.sum() - n_pad
-        s["w2"] = sum_r2
-    else:
-        flat_w = weights.reshape(-1)
-        s["w"] = flat_w.sum()
-        s["w2"] = torch.dot(flat_w, flat_w)
+    # Diagnostics only: the weight an IS correction would start from, r. Masked by a product, not
+    # "whole sum minus padding count", which cancels every digit of tiny weights (ess of r = e^-20).
+    flat_w = (ratio * valid_f if weights is None else weights).reshape(-1)
+    s["w"] = flat_w.sum()
+    s["w2"] = torch.dot(flat_w, flat_w)
 
     # Perplexities: per sequence, over tokens where both sides are finite; (B,) vectors, so float64 is free.
     n_fin = stats.finite_per_seq
