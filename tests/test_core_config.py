@@ -139,16 +139,31 @@ def test_presets_round_trip(name):
     assert CorrectionConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
 
 
-def test_required_presets_and_their_meaning():
-    assert {"tis_srs_k3", "ms_swift_default", "trl_default", "verl_decoupled_token_is", "icepop"} <= set(
-        CorrectionConfig.available_presets())
-    best = CorrectionConfig.preset("tis_srs_k3")
-    assert best.rollout_importance_sampling_mode == "token_truncate"
-    assert best.rollout_importance_sampling_threshold == 2.0
-    assert best.rollout_rejection == ("seq_sum_k3",) and best.rollout_rejection_threshold == 0.001
-    trl = CorrectionConfig.preset("trl_default")
-    assert (trl.rollout_importance_sampling_mode, trl.rollout_importance_sampling_sequence_reduction,
-            trl.rollout_importance_sampling_threshold) == ("sequence_mask", "product", 3.0)
+#: Each required preset's flags that differ from the defaults, from its source (the preset's
+#: description cites it): the paper's best recipe, ms-swift, TRL, verl, IcePop.
+PRESET_MEANING = {
+    "tis_srs_k3": dict(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_sum_k3"],
+                       rollout_rejection_threshold=0.001),
+    "ms_swift_default": dict(rollout_importance_sampling_mode="token_truncate"),
+    "trl_default": dict(rollout_importance_sampling_mode="sequence_mask", rollout_importance_sampling_threshold=3.0,
+                        rollout_importance_sampling_sequence_reduction="product",
+                        rollout_importance_sampling_sequence_mask_weight="sequence"),
+    "verl_decoupled_token_is": dict(rollout_importance_sampling_mode="token_truncate",
+                                    rollout_importance_sampling_sequence_reduction="product"),
+    "icepop": dict(rollout_importance_sampling_mode="token_mask", rollout_importance_sampling_threshold_lower=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_MEANING))
+def test_required_presets_and_their_meaning(name):
+    """Every flag of the preset, so an edit of its YAML shows here even where a test batch cannot tell."""
+    assert name in CorrectionConfig.available_presets()
+    got = CorrectionConfig.preset(name).to_dict()
+    changed = {k: v for k, v in got.items() if v != DESIGN_DEFAULTS[k]}
+    assert changed == PRESET_MEANING[name]
+
+
+def test_preset_overrides_and_unknown_names():
     assert CorrectionConfig.preset("tis_srs_k3", rollout_importance_sampling_threshold=3.0
                                    ).rollout_importance_sampling_threshold == 3.0
     with pytest.raises(ValueError, match="unknown preset"):
