@@ -352,6 +352,61 @@ def test_recipe_routing():
         check_nemo_rl_vllm_kwargs({"logprobs_mode": "processed_logprobs"})
 
 
+def nemo_engine_kwargs(nemo, monkeypatch, policy: dict) -> dict:
+    """The ``vllm.LLM(**kwargs)`` NeMo RL's own ``BaseVllmGenerationWorker._load_model`` builds
+    from ``policy.generation`` (the engine itself is not started: ``_create_engine`` records)."""
+    from rollout_parity.testing.tiny_model import build_tiny_model
+
+    worker_mod = nemo.load("nemo_rl.models.generation.vllm.vllm_worker")
+    monkeypatch.setattr(worker_mod, "log_gpu_memory_diagnostics", lambda *a, **k: None)  # NVML
+    for var in ("VLLM_USE_V1", "VLLM_ALLOW_INSECURE_SERIALIZATION"):  # _load_model sets them
+        monkeypatch.delenv(var, raising=False)
+    model = build_tiny_model()
+    generation = policy["generation"]
+    vllm_cfg = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 1,
+                "gpu_memory_utilization": 0.5, "max_model_len": 256, "skip_tokenizer_init": False,
+                "precision": "bfloat16", "load_format": "auto", "enforce_eager": True,
+                "async_engine": False, "kv_cache_dtype": "auto", **generation.get("vllm_cfg", {})}
+    vllm_kwargs = dict(generation.get("vllm_kwargs", {}))
+    vllm_kwargs["hf_overrides"] = policy.get("hf_config_overrides", {})  # grpo.py's setup does this
+    worker = worker_mod.BaseVllmGenerationWorker.__new__(worker_mod.BaseVllmGenerationWorker)
+    worker.cfg = {"model_name": model, "vllm_cfg": vllm_cfg, "vllm_kwargs": vllm_kwargs}
+    worker.model_name, worker.precision, worker.fraction_of_gpus = model, "bfloat16", 1.0
+    worker.tensor_parallel_size = worker.pipeline_parallel_size = worker.expert_parallel_size = 1
+    worker.enable_expert_parallel, worker.gpu_memory_utilization = False, 0.5
+    captured: dict = {}
+    worker._create_engine = captured.update
+    worker_mod.BaseVllmGenerationWorker._load_model(worker, None, 0)
+    return captured
+
+
+def test_recipe_through_nemo_rls_own_engine_assembly(nemo, monkeypatch):
+    """v0.7.0 fixes logprobs_mode itself; main passes vllm_cfg.logprobs_mode or nothing (vLLM's
+    raw default). The recipe lands as processed logprobs, no prefix caching, no async
+    scheduling and the fp32 head on both, and vLLM's own EngineArgs accepts every key."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    policy = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
+    kwargs = nemo_engine_kwargs(nemo, monkeypatch, policy)
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+    assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is False
+    assert kwargs["hf_overrides"] == {"head_dtype": "float32"}
+    EngineArgs(**kwargs)
+    # Without vllm_cfg.logprobs_mode main leaves vLLM's default, raw logprobs; v0.7.0 does not.
+    without = {"generation": {"vllm_cfg": {"enable_prefix_caching": False},
+                              "vllm_kwargs": {"async_scheduling": False}}}
+    old_recipe = nemo_engine_kwargs(nemo, monkeypatch, without)
+    if nemo.MetricNormalizer is None:  # v0.7.0
+        assert old_recipe["logprobs_mode"] == "processed_logprobs"
+        # The recipe's keys put naively into vllm_kwargs collide with NeMo RL's own.
+        naive = {"generation": {"vllm_cfg": {"enable_prefix_caching": False},
+                                "vllm_kwargs": {"logprobs_mode": "processed_logprobs"}}}
+        with pytest.raises(TypeError, match="multiple values"):
+            nemo_engine_kwargs(nemo, monkeypatch, naive)
+    else:
+        assert "logprobs_mode" not in old_recipe
+
+
 def test_bad_configs_and_data(nemo):
     with pytest.raises(ValueError, match="twice"):
         RolloutParityLossFn.from_nemo_config(dict(
