@@ -337,3 +337,45 @@ def test_tensor_and_array_inputs_give_the_list_result(tok_think):
                                    eos_token_id=eos)
     assert splice_on_policy_token_ids(torch.tensor([], dtype=torch.long), [], as_t[2],
                                       eos_token_id=eos).tolist() == template
+
+
+def test_fast_path_equals_the_counting_path(monkeypatch):
+    """When the template extends its prefix, the splice finds the cut with one list comparison
+    instead of counting terminators; on seeded random histories (extended, stripped, rewritten,
+    shrunk, one or two terminators) both paths give the same prompt or the same error."""
+    import random
+
+    import rollout_parity.core.token_ids as token_ids
+
+    def outcome(*args, **kw):
+        try:
+            return splice_on_policy_token_ids(*args, **kw)
+        except TokenSpliceError as exc:
+            return type(exc)
+
+    rng = random.Random(5)
+    taken = 0
+    for _ in range(2000):
+        turns = [[rng.randrange(4, 30) for _ in range(rng.randint(0, 5))] + [rng.choice([2, 3])]
+                 for _ in range(rng.randint(1, 5))]
+        prefix = [t for turn in turns for t in turn] + [rng.randrange(4, 30)] * rng.randint(0, 2)
+        template = prefix + [rng.randrange(4, 30) for _ in range(rng.randint(0, 6))] + [2]
+        kind = rng.random()
+        if kind < 0.2:  # a template that strips part of an earlier turn
+            i = rng.randrange(len(template))
+            template = template[:i] + template[i + rng.randint(1, 3):]
+        elif kind < 0.3:  # a rewritten token
+            template[rng.randrange(len(template))] = rng.randrange(4, 30)
+        elif kind < 0.35:
+            template = template[: rng.randrange(len(template) + 1)]
+        model = [rng.randrange(4, 30) for _ in range(rng.randint(0, 4))] + prefix[: rng.randint(0, len(prefix))]
+        kw = rng.choice([dict(eos_token_id=2), dict(turn_terminator_ids=(2, 3))])
+        kw["check_history"] = rng.random() < 0.5
+        taken += token_ids._cut_if_template_extends_prefix(prefix, template, (2, 3) if "turn_terminator_ids" in kw
+                                                           else (2,)) >= 0
+        fast = outcome(model, prefix, template, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(token_ids, "_cut_if_template_extends_prefix", lambda *a: -1)
+            counted = outcome(model, prefix, template, **kw)
+        assert fast == counted, (model, prefix, template, kw)
+    assert taken > 500
