@@ -250,9 +250,9 @@ def compute_correction(
             raise ValueError("off_policy_sequence_mask_delta needs rollout_logprobs or old_logprobs")
         # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's valid tokens; a token with a
         # non-finite logprob is neutral (drift 0) but still counted, as TRL does for a NaN.
-        behaviour_name = "rollout" if rollout_logprobs is not None else "old"
-        delta = (stats.finite_row_sum(behaviour_name, behaviour, clean=True)
-                 - stats.finite_row_sum("current", current_logprobs, clean=True)) / stats.tokens_per_seq.clamp_min(1.0)
+        drift = torch.sub(behaviour.detach().to(dtype), current_logprobs.detach().to(dtype))
+        drift = drift.nan_to_num_(0.0, 0.0, 0.0).mul_(stats.clean_f).sum(dim=-1)
+        delta = drift / stats.tokens_per_seq.clamp_min(1.0)
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, stats) < 0)
         seq_keep = seq_keep & ~off_policy
 

@@ -120,7 +120,7 @@ class TokenStats:
         self._k3: Optional[torch.Tensor] = None
         self._finite_f: Optional[torch.Tensor] = None
         self._clean_f: Optional[torch.Tensor] = None
-        self._finite_row_sums: dict[tuple[str, bool], torch.Tensor] = {}
+        self._finite_row_sums: dict[str, torch.Tensor] = {}
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -145,18 +145,16 @@ class TokenStats:
 
     @property
     def finite_per_seq(self) -> torch.Tensor:
-        if ("__count__", False) not in self._finite_row_sums:
-            self._finite_row_sums[("__count__", False)] = self.finite_f.sum(dim=-1)
-        return self._finite_row_sums[("__count__", False)]
+        if "__count__" not in self._finite_row_sums:
+            self._finite_row_sums["__count__"] = self.finite_f.sum(dim=-1)
+        return self._finite_row_sums["__count__"]
 
-    def finite_row_sum(self, name: str, values: torch.Tensor, clean: bool = False) -> torch.Tensor:
-        """Σ_t of ``values`` over each sequence's ``finite_f`` tokens (``clean_f`` with ``clean``),
-        cached under ``name``."""
-        key = (name, clean)
-        if key not in self._finite_row_sums:
-            x = values.detach().to(self.valid_f.dtype).nan_to_num(0.0, 0.0, 0.0)
-            self._finite_row_sums[key] = x.mul_(self.clean_f if clean else self.finite_f).sum(dim=-1)
-        return self._finite_row_sums[key]
+    def finite_row_sum(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """Σ_t over each sequence's finite tokens of ``values`` (cached under ``name``)."""
+        if name not in self._finite_row_sums:
+            clean = values.detach().to(self.valid_f.dtype).nan_to_num(0.0, 0.0, 0.0)
+            self._finite_row_sums[name] = clean.mul_(self.finite_f).sum(dim=-1)
+        return self._finite_row_sums[name]
 
     def estimator(self, name: str) -> torch.Tensor:
         """Per-token K1 = −lr, K2 = ½ lr², K3 = r − 1 − lr (all zero on padding)."""
