@@ -306,3 +306,14 @@ def test_off_policy_drift_ignores_a_nan_current_logprob():
     assert ref.off_policy == [True]  # δ = 0.2 · 3/4 = 0.15 > 0.05
     assert out.off_policy_masked.tolist() == [True]
     assert out.metrics["rollout_correction/nonfinite_frac"] == pytest.approx(1 / 4)
+
+
+def test_the_naive_reference_imports_nothing_from_the_package():
+    """Its independence is the point: no shared parsing, no shared math."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).parent / "naive_reference.py").read_text())
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert modules <= {"__future__", "math", "dataclasses"}, modules
