@@ -90,9 +90,8 @@ def clipped_surrogate(
     """
     current = current_logprobs
     old = old_logprobs.detach()
-    neutral_old = torch.isnan(old).logical_or_(torch.isposinf(old))
-    # cur - old where π_old is a number; cur - stop_grad(cur) (value 0, gradient 1) where it is not.
-    old = torch.where(neutral_old, current.detach(), old)
+    # cur - old where π_old is a number; cur - stop_grad(cur) (value 0, gradient 1) where it is NaN/+inf.
+    old = torch.where(torch.isnan(old).logical_or_(torch.isposinf(old)), current.detach(), old)
     # Every non-finite case ends here as a non-finite difference: −inf on one side gives ±inf (the
     # bound), a NaN/+inf π_θ or −inf on both sides gives NaN (0). nan_to_num passes no gradient to
     # the entries it replaces, so none flows from or into a non-finite π_θ.
