@@ -19,9 +19,10 @@ still backpropagates.
 
 Non-finite inputs (DESIGN.md, "Bad input"): a NaN or +inf π_old is neutral (ratio 1, the
 token keeps ∇ log π_θ); a −inf π_θ or π_old is maximal mismatch (log-ratio at ±20, no
-gradient; 0 when the other side is NaN or −inf too); a NaN or +inf π_θ has neither a value nor a gradient to give, so that token leaves
-the loss and its metrics (``compute_correction`` counts it in ``nonfinite_frac``). NaN
-advantages on padding are ignored. Loss, gradient and ``policy/*`` stay finite.
+gradient; 0 when the other side is NaN or −inf too); a NaN or +inf π_θ has neither a value
+nor a gradient to give, so that token leaves the loss and its metrics (``compute_correction``
+counts it in ``nonfinite_frac``). NaN advantages on padding are ignored. Loss, gradient and
+``policy/*`` stay finite.
 """
 
 from __future__ import annotations
