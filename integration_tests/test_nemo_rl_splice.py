@@ -226,15 +226,21 @@ def test_check_history_refuses_what_main_accepts(splices):
 
 
 def test_anchor_activation_leaves_nothing_behind():
-    skip_unless_available()
-    path, meta = list(sys.path), list(sys.meta_path)
-    before = set(sys.modules)
     import os
+    import warnings
 
-    env = dict(os.environ)
+    from transformers import AutoTokenizer
+
+    skip_unless_available()
+    path, meta, env = list(sys.path), list(sys.meta_path), dict(os.environ)
+    filters, hook, from_pretrained = list(warnings.filters), sys.excepthook, AutoTokenizer.from_pretrained
+    before = set(sys.modules)
     for version in VERSIONS:
         with ANCHORS.activate(version) as ns:
-            ns.load("nemo_rl.algorithms.loss")
+            ns.load("nemo_rl.algorithms.loss")  # nemo_rl.models.policy wraps from_pretrained
+            ns.load("nemo_rl.models.generation.vllm.vllm_worker")
             assert any(m.startswith("nemo_rl") for m in sys.modules)
         assert sys.path == path and sys.meta_path == meta and dict(os.environ) == env
+        assert warnings.filters == filters and sys.excepthook is hook
+        assert AutoTokenizer.from_pretrained == from_pretrained
         assert not [m for m in set(sys.modules) - before if m == "nemo_rl" or m.startswith("nemo_rl.")]

@@ -10,9 +10,11 @@ the few heavy top-level modules they import but never call on our paths (``pynvm
   tree first on ``sys.path`` and a stub finder last on ``sys.meta_path``; the finder answers
   only imports made *by NeMo RL's own files* of modules nothing else can import, so a real
   library's optional import is never fooled. On exit ``sys.path``, ``sys.meta_path``,
-  ``os.environ`` and the root logger's handlers are as before, and every ``nemo_rl.*`` module
-  and stub is taken out of ``sys.modules`` (kept aside, so activating the same version again
-  is instant and two versions can take turns in one pytest process).
+  ``os.environ``, the root logger's handlers, the warning filters, ``sys.excepthook`` and
+  ``transformers.AutoTokenizer.from_pretrained`` (which ``nemo_rl.models.policy`` wraps at
+  import) are as before, and every ``nemo_rl.*`` module and stub is taken out of
+  ``sys.modules`` (kept aside, so activating the same version again is instant and two
+  versions can take turns in one pytest process).
 * ``skip_unless_available()`` skips, or fails in CI (``missing(..., anchor=True)``), when the
   trees are absent.
 
@@ -28,6 +30,7 @@ import logging
 import os
 import sys
 import types
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -179,6 +182,10 @@ class NemoRLAnchors:
                                "RL or a leaked import; the anchors need a process without it")
         saved_path, saved_meta = list(sys.path), list(sys.meta_path)
         saved_env = dict(os.environ)
+        saved_filters, saved_excepthook = list(warnings.filters), sys.excepthook
+        from transformers import AutoTokenizer  # NeMo RL imports it anyway; its wrapper is undone
+
+        saved_from_pretrained = AutoTokenizer.__dict__["from_pretrained"]
         root_logger = logging.getLogger()
         saved_handlers, saved_level = list(root_logger.handlers), root_logger.level
         before = set(sys.modules)
@@ -209,6 +216,10 @@ class NemoRLAnchors:
                     os.environ[key] = value
             root_logger.handlers[:] = saved_handlers
             root_logger.setLevel(saved_level)
+            warnings.filters[:] = saved_filters
+            getattr(warnings, "_filters_mutated", lambda: None)()
+            sys.excepthook = saved_excepthook
+            AutoTokenizer.from_pretrained = saved_from_pretrained
 
 
 #: One per process: the stash lets every test module reuse the first import of each version.
