@@ -394,7 +394,7 @@ def test_revert_after_an_exception_in_the_loss(run):
     finally:
         handle.remove()
     state = trainer.__dict__["_rollout_parity"]
-    assert state.loss_logps is None and not state.capture_old  # the pass-through cleaned up
+    assert state.loss_logps is None and state.kept_mass is None  # the pass-through cleaned up
     assert trl_adapter.revert(trainer)
     plain = {k: v for k, v in inputs.items() if not k.startswith("rollout_parity/")}
     with torch.no_grad():
