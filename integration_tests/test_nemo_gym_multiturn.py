@@ -38,7 +38,9 @@ from integration_tests.support.nemo_gym_live import (
 from rollout_parity.core.token_ids import carry_token_ids, spliced_prompt_token_ids, validate_request
 from rollout_parity.testing.stack import missing, need
 
-pytestmark = [pytest.mark.nemo_gym, pytest.mark.vllm, pytest.mark.slow]
+# The first run builds the NeMo Gym venv (~7 min) inside the session fixture: more than the
+# suite's 900 s per-test timeout allows once a vLLM server start is added on a busy machine.
+pytestmark = [pytest.mark.nemo_gym, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 MAX_TOKENS = 16
 EXACT = 1e-6  # |Δ logprob| decode vs prefill of the same tokens in fp32 (measured: 0.0)

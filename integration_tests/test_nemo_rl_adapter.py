@@ -23,6 +23,7 @@ from integration_tests.support.nemo_anchor import ANCHORS, VERSIONS, skip_unless
 from integration_tests.support.nemo_harness import (
     GRPO_READS,
     aggregate,
+    cpu_cuda,
     finite_or_sentinel,
     global_counts,
     load,
@@ -149,6 +150,45 @@ def test_side_by_side_with_nemo_clipped_pg_loss(nemo, case, kind):
         assert ours[key] == pytest.approx(reference[key], **APPROX), key
     if "truncated_importance_sampling_type" in NEMO_CASES[case]:
         assert 0 < ours["is_oob_ratio"] < 1
+
+
+@pytest.mark.parametrize("case", ["tis_floor_dual_clip", "seq_level_icepop_dual_clip"])
+def test_logits_through_nemo_prepare_loss_input(nemo, case):
+    """From logits: NeMo RL's own ``prepare_loss_input`` (``algorithms/loss/utils.py``) turns
+    them into next-token logprobs for a LOGPROB loss, as its workers do, and the gradient
+    reaches the logits the same way for both losses."""
+    prepare = nemo.load("nemo_rl.algorithms.loss.utils").prepare_loss_input
+    g = torch.Generator().manual_seed(3)
+    B, S, V = 6, 9, 40
+    input_ids = torch.randint(0, V, (B, S), generator=g)
+    base = torch.randn(B, S, V, generator=g)
+    lp = torch.log_softmax(base, -1)[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    prev = torch.cat([torch.zeros(B, 1), lp + 0.05 * torch.randn(B, S - 1, generator=g)], 1)
+    gen = torch.cat([torch.zeros(B, 1), lp + 0.2 * torch.randn(B, S - 1, generator=g)], 1)
+    token_mask = torch.cat([torch.zeros(B, 1), (torch.arange(S - 1)[None] < torch.tensor(
+        [[8], [3], [5], [0], [8], [6]])).float()], 1)
+    data = dict(input_ids=input_ids, prev_logprobs=prev, generation_logprobs=gen, token_mask=token_mask,
+                advantages=torch.tensor([1.0, -0.5, 0.3, 0.8, -1.2, 0.4])[:, None].expand(B, S).clone(),
+                sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0]),
+                reference_policy_logprobs=prev)
+    cfg = nemo.ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **NEMO_CASES[case])
+    results = []
+    for loss_fn in (nemo.ClippedPGLossFn(cfg), RolloutParityLossFn.from_nemo_config(cfg)):
+        logits = base.clone().requires_grad_(True)
+        batch = nemo.BatchedDataDict({k: v.clone() for k, v in data.items()})
+        with cpu_cuda():  # it moves the token ids to the GPU
+            loss_input, batch = prepare(logits, batch, loss_fn)
+        gvs = batch["sample_mask"].sum()
+        gvt = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum()
+        loss, metrics = loss_fn(data=batch, global_valid_seqs=gvs, global_valid_toks=gvt, **loss_input)
+        loss.backward()
+        results.append((loss.detach(), logits.grad, metrics))
+    (theirs, their_grad, their_metrics), (ours, our_grad, our_metrics) = results
+    torch.testing.assert_close(ours, theirs, **TOL)
+    torch.testing.assert_close(our_grad, their_grad, **TOL)
+    assert bool(their_grad.abs().sum() > 0)
+    for key, value in their_metrics.items():
+        assert our_metrics[key] == pytest.approx(value, **APPROX), key
 
 
 def test_plain_is_with_a_minus_inf_engine_logprob_gives_no_huge_weight(nemo):
