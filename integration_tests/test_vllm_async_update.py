@@ -1,18 +1,32 @@
-"""The in-flight update helper against a real ``AsyncLLM`` (vLLM 0.31 CPU, engine core in a subprocess).
+"""In-flight weight updates on a real ``AsyncLLM`` (vLLM 0.31 CPU): new weights for real.
 
-What runs for real: ``pause_generation(mode="keep", clear_cache=False)``, a worker-side load
-through ``collective_rpc``, ``reset_prefix_cache`` with requests frozen in flight, and
-``resume_generation``. The load here does not change the weights: vLLM's CPU backend spawns
-the engine core, where the test-only weight-sync shim is not installed (the sync engine in
-test_vllm_parity.py shows logprobs following new weights). What is checked: requests in
-flight during the update are kept, not aborted, and finish in full; the engine is paused
-while the load runs and resumed after it, also when the load fails.
+Requests are in flight when ``update_weights_in_flight`` pauses the engine with
+``mode="keep", clear_cache=False``, loads *different* weights through vLLM's own
+``Worker.reload_weights`` (a worker-method name for ``collective_rpc``: no function is
+pickled, no test shim, vLLM's own CPU kernels), applies the prefix-cache policy and resumes.
+Every token the engine returned is then compared with an engine *started fresh* on the new
+weights (prompt logprobs of the same sequence, one prefill) and on the old ones:
+
+* ``reset``: the frozen requests are preempted and recompute their KV under the new weights,
+  so every token after the update is scored by the new weights exactly as the fresh engine
+  scores it; a request started after the update gets no cached block.
+* ``salt``: a request started after the update carries the new version's salt and gets no
+  block cached under the old weights. The frozen requests keep their *own* KV (V0's in-flight
+  semantics, which ``keep``/``clear_cache=False`` reproduce): their later tokens come from the
+  new weights reading their earlier KV, so they are neither the old nor the fresh new scores.
+* ``off`` on a cache-on engine (no policy, the control): a request started after the update
+  is served 128 tokens of KV computed under the old weights and its logprobs differ from the
+  fresh engine's.
+* ``mode="abort"`` (control): the in-flight requests end early instead of finishing.
+* A load that fails still resumes the engine.
+
+The new weights differ in seed and block scale, so old, new and stale scores differ by 0.05-1
+nat per token, while the same computation on two engines agrees to ~1e-6.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 
 import pytest
@@ -27,53 +41,84 @@ from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+PROMPT = list(range(10, 150))  # 140 tokens: one full 128-token KV block can be cached and hit
+N_TOKENS = 160
+N_REQUESTS = 3
+SPLIT_AFTER = 24  # the update lands once every request has streamed at least this many tokens
+SPLIT = 0.05  # a token whose logprob differs from the old weights' by more was not computed by them
+EXACT = 1e-4  # mean per-token |delta| of the same computation on two engines (measured ~1e-6)
+ENGINE = dict(max_model_len=512, enforce_eager=True, seed=0)
 
-def _count_params(self):  # runs inside the worker (self is the vLLM Worker)
-    return sum(p.numel() for p in self.model_runner.model.parameters())
+
+@pytest.fixture(scope="module")
+def paths():
+    return build_tiny_model(), build_tiny_model(seed=1, block_std=0.05)
 
 
-async def _scenario():
+async def _in_flight_round(engine, policy: str, pause_mode: str, old: str, new: str) -> dict:
     from vllm import SamplingParams
+
+    version = WeightVersion()
+    stamp = version.stamp if policy == "salt" else (lambda p: {"prompt_token_ids": list(p)})
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+
+    async def one(prompt, params):
+        last = None
+        async for out in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
+            last = out
+        return last
+
+    # Old weights and an empty cache, then the prompt's first block cached under them.
+    await update_weights_in_flight(engine, "reload_weights", load_kwargs={"weights_path": old},
+                                   prefix_cache_policy="reset")
+    await one(stamp(PROMPT), greedy)
+    streamed = [0] * N_REQUESTS
+
+    async def long_request(i):
+        last = None
+        params = SamplingParams(max_tokens=N_TOKENS, temperature=1.0, logprobs=0, ignore_eos=True)
+        async for out in engine.generate(stamp(PROMPT), params, request_id=uuid.uuid4().hex):
+            last = out
+            streamed[i] = len(out.outputs[0].token_ids)
+        return last
+
+    tasks = [asyncio.create_task(long_request(i)) for i in range(N_REQUESTS)]
+    while min(streamed) < SPLIT_AFTER:
+        await asyncio.sleep(0.01)
+    seen = {}
+
+    async def load():
+        seen["paused_during_load"] = await engine.is_paused()
+        # Tokens streamed so far were all generated before the pause: the old weights' tokens.
+        seen["streamed_at_update"] = list(streamed)
+        return await engine.collective_rpc("reload_weights", kwargs={"weights_path": new})
+
+    await update_weights_in_flight(engine, load, prefix_cache_policy=policy, version=version, pause_mode=pause_mode)
+    seen["paused_after"] = await engine.is_paused()
+    outs = await asyncio.gather(*tasks)
+    after = await one(stamp(PROMPT), greedy)
+    return dict(
+        seen,
+        version=version.value,
+        in_flight=[(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs,
+                                                                                  o.outputs[0].token_ids)],
+                    o.outputs[0].finish_reason) for o in outs],
+        after_cached=after.num_cached_tokens or 0,
+        after_top5={t: lp.logprob for t, lp in after.outputs[0].logprobs[0].items()},
+    )
+
+
+async def _scenario(old: str, new: str) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=build_tiny_model(), gpu_memory_utilization=0.1, max_model_len=512, enforce_eager=True,
-        **vllm_parity_kwargs(fp32_lm_head=True, prefix_cache_policy="salt")))
+        model=old, **ENGINE, **vllm_parity_kwargs(fp32_lm_head=True, prefix_cache_policy="reset")))
     results = {}
     try:
         results["held"] = verify_engine(engine, fp32_lm_head=True, prefix_cache_policy="salt", strict=True)
-        version = WeightVersion()
-
-        async def generate(n_tokens):
-            last = None
-            params = SamplingParams(max_tokens=n_tokens, temperature=0.7, logprobs=0, ignore_eos=True)
-            async for out in engine.generate(version.stamp(list(range(10, 150))), params,
-                                             request_id=uuid.uuid4().hex):
-                last = out
-            return last
-
-        for policy, mode in (("salt", "keep"), ("reset", "keep"), ("off", "abort")):
-            tasks = [asyncio.create_task(generate(200)) for _ in range(3)]
-            while True:  # wait until the requests are really in flight
-                await asyncio.sleep(0.05)
-                if engine.output_processor.get_num_unfinished_requests() == 3:
-                    break
-            seen = {}
-
-            async def load():
-                seen["paused"] = await engine.is_paused()
-                return await engine.collective_rpc(_count_params)
-
-            before = version.value
-            loaded = await update_weights_in_flight(engine, load, prefix_cache_policy=policy, version=version,
-                                                    pause_mode=mode)
-            outs = await asyncio.gather(*tasks)
-            results[mode if mode != "keep" else policy] = dict(
-                paused_during_load=seen["paused"], paused_after=await engine.is_paused(), loaded=loaded,
-                bumped=version.value == before + 1,
-                finished=[(o.finished, len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
-            )
+        for policy, mode in (("reset", "keep"), ("salt", "keep"), ("off", "keep"), ("off", "abort")):
+            results[f"{policy}/{mode}"] = await _in_flight_round(engine, policy, mode, old, new)
 
         async def failing():
             raise RuntimeError("weight transfer failed")
@@ -81,23 +126,118 @@ async def _scenario():
         with pytest.raises(RuntimeError, match="weight transfer failed"):
             await update_weights_in_flight(engine, failing, prefix_cache_policy="reset")
         results["paused_after_failure"] = await engine.is_paused()
-        results["after_failure"] = await generate(4)
     finally:
         engine.shutdown()
     return results
 
 
-def test_in_flight_update_keeps_requests_and_always_resumes():
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
-    r = asyncio.run(_scenario())
-    assert all(r["held"].values())
-    for policy in ("salt", "reset"):
-        got = r[policy]
-        assert got["paused_during_load"] is True and got["paused_after"] is False, got
-        assert got["loaded"] and got["loaded"][0] > 0 and got["bumped"]
-        # mode="keep": frozen, not aborted; every request completes its 200 tokens.
-        assert got["finished"] == [(True, 200, "length")] * 3, got["finished"]
-    # The control: mode="abort" ends the same in-flight requests early.
-    assert all(fin and n < 200 and reason == "abort" for fin, n, reason in r["abort"]["finished"]), r["abort"]
-    assert r["paused_after_failure"] is False
-    assert len(r["after_failure"].outputs[0].token_ids) == 4
+def _fresh_scores(path: str, sequences: list[list[int]]) -> list[list[float]]:
+    """Per sequence, each completion token's logprob from an engine started fresh on ``path``
+    (prompt logprobs of prompt + completion in one prefill; T=1, so raw = processed)."""
+    from vllm import SamplingParams
+
+    from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm
+
+    llm = make_llm(path, **ENGINE, **vllm_parity_kwargs(fp32_lm_head=True))
+    try:
+        outs = llm.generate([{"prompt_token_ids": PROMPT + s} for s in sequences],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        prefix = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5),
+                              use_tqdm=False)[0]
+    finally:
+        shutdown_llm(llm)
+    scores = [[o.prompt_logprobs[len(PROMPT) + i][t].logprob for i, t in enumerate(s)] for o, s in zip(outs, sequences)]
+    return scores, {t: lp.logprob for t, lp in prefix.outputs[0].logprobs[0].items()}
+
+
+@pytest.fixture(scope="module")
+def measured(paths):
+    old, new = paths
+    results = asyncio.run(_scenario(old, new))
+    keep_rounds = [k for k in results if k.endswith("/keep")]
+    sequences = [ids for k in keep_rounds for ids, _, _ in results[k]["in_flight"]]
+    fresh_new, first_new = _fresh_scores(new, sequences)
+    fresh_old, _ = _fresh_scores(old, sequences)
+    it_new, it_old = iter(fresh_new), iter(fresh_old)
+    for k in keep_rounds:
+        results[k]["vs_fresh"] = []
+        for ids, lps, _ in results[k]["in_flight"]:
+            d_new = [abs(a - b) for a, b in zip(lps, next(it_new))]
+            d_old = [abs(a - b) for a, b in zip(lps, next(it_old))]
+            results[k]["vs_fresh"].append((d_old, d_new))
+    results["fresh_first_token"] = first_new
+    return results
+
+
+def _split(d_old: list[float]) -> int:
+    """Index of the first token not scored as the old weights score it."""
+    return next((i for i, d in enumerate(d_old) if d > SPLIT), len(d_old))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _gap(a: dict, b: dict) -> float:
+    return max(abs(v - b.get(t, float("-inf"))) for t, v in a.items())
+
+
+def test_the_engine_holds_the_recipe_and_resumes_after_a_failed_load(measured):
+    assert all(measured["held"].values())
+    assert measured["paused_after_failure"] is False
+
+
+@pytest.mark.parametrize("policy", ["reset", "salt", "off"])
+def test_keep_freezes_requests_across_a_real_update_and_they_finish(measured, policy):
+    r = measured[f"{policy}/keep"]
+    assert r["paused_during_load"] is True and r["paused_after"] is False
+    assert r["version"] == 1
+    assert [(len(ids), reason) for ids, _, reason in r["in_flight"]] == [(N_TOKENS, "length")] * N_REQUESTS
+    for (d_old, d_new), streamed in zip(r["vs_fresh"], r["streamed_at_update"]):
+        k = _split(d_old)
+        # Up to the update the tokens are the old weights' (as a fresh old engine scores them);
+        # the first token that is not lies at or after the streamed count, and well before the end.
+        assert streamed <= k < N_TOKENS - 32, (policy, streamed, k)
+        assert _mean(d_old[:k]) <= EXACT
+        # From then on the old weights no longer score them: the load reached the running engine.
+        assert _mean(d_old[k:]) > 0.3, policy
+
+
+def test_reset_finishes_in_flight_requests_on_the_new_weights_exactly(measured):
+    for d_old, d_new in measured["reset/keep"]["vs_fresh"]:
+        k = _split(d_old)
+        after = d_new[k:]
+        print(f"reset: tokens after the update vs a fresh new-weights engine: mean {_mean(after):.1e}, "
+              f"max {max(after):.1e}")
+        # Preempted and recomputed: no KV from the old weights is read.
+        assert _mean(after) <= EXACT and max(after) <= 1e-2
+
+
+def test_salt_and_off_keep_the_in_flight_requests_own_kv(measured):
+    """V0 semantics: a frozen request continues on its own (old-weights) KV; only reset recomputes it."""
+    for policy in ("salt", "off"):
+        gaps = [_mean(d_new[_split(d_old):]) for d_old, d_new in measured[f"{policy}/keep"]["vs_fresh"]]
+        print(f"{policy}: tokens after the update vs a fresh new-weights engine: mean {_mean(gaps):.2e}")
+        assert min(gaps) > 100 * EXACT, (policy, gaps)
+
+
+@pytest.mark.parametrize("policy", ["reset", "salt"])
+def test_no_old_kv_served_to_a_request_after_the_update(measured, policy):
+    r = measured[f"{policy}/keep"]
+    gap = _gap(measured["fresh_first_token"], r["after_top5"])
+    print(f"{policy}: a request after the update: {r['after_cached']} cached tokens, gap to fresh {gap:.1e}")
+    assert gap <= 1e-3  # what a fresh engine on the new weights computes
+    if policy == "salt":
+        assert r["after_cached"] == 0  # another salt: no block of the old version matches
+    # reset: the cache was emptied; blocks it holds now were recomputed by the preempted
+    # requests under the new weights (hence the gap above), so a hit there is not stale.
+
+
+def test_without_a_policy_the_cache_serves_old_kv_after_the_update(measured):
+    r = measured["off/keep"]
+    assert r["after_cached"] >= 128  # the block cached under the old weights was hit
+    assert _gap(measured["fresh_first_token"], r["after_top5"]) > 2e-2
+
+
+def test_abort_mode_ends_the_in_flight_requests(measured):
+    assert all(reason == "abort" and len(ids) < N_TOKENS for ids, _, reason in measured["off/abort"]["in_flight"])

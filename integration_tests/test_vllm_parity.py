@@ -1,8 +1,9 @@
 """The vLLM half of the parity layer against a real vLLM engine on CPU (one engine per module).
 
 The engine is the recipe with the fp32 head and the prefix cache kept on (the reset/salt
-policies need a cache to guard), built under the CPU weight-sync shim so weights can be
-reloaded. Trainer-side references are transformers forwards of the same tokens.
+policies need a cache to guard), running vLLM's own CPU kernels (no test shim): new weights
+are loaded through vLLM's own ``reload_weights``. Trainer-side references are transformers
+forwards of the same tokens.
 """
 
 from __future__ import annotations

