@@ -32,6 +32,7 @@ from integration_tests.support.nemo_harness import (
     train_step,
 )
 from rollout_parity import CorrectionConfig
+from rollout_parity.adapters import nemo_rl as nemo_rl_adapter
 from rollout_parity.adapters.nemo_rl import (
     NEMO_METRIC_KEYS,
     RolloutParityLossFn,
@@ -268,12 +269,26 @@ def core_to_nemo(name: str, core: dict, batch) -> dict:
             out[key] = value * n_ppl / gvs
         elif short == "ppl_ratio":
             out[key] = ((value - 1.0) * n_ppl + gvs) / gvs
-        elif short in ("ess", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl") \
-                or short.endswith(("_max", "_min")):
+        elif short in nemo_rl_adapter._LEFT_OUT:
             continue
         else:
+            assert short in nemo_rl_adapter._TOKEN_MEANS, key
             out[key] = value
     return out
+
+
+def test_every_core_diagnostic_is_summed_or_left_out_by_name():
+    """A diagnostic the core adds must be classified here before NeMo RL sums it."""
+    from integration_tests.shared_batch import core_reference
+
+    classes = [nemo_rl_adapter._TOKEN_MEANS, nemo_rl_adapter._SEQ_MEANS, nemo_rl_adapter._PPL_MEANS,
+               nemo_rl_adapter._LEFT_OUT]
+    for key in core_reference("tis_srs_k3")["metrics"]:
+        short = key.split("/", 1)[1]
+        if key.startswith("policy/"):
+            assert key in nemo_rl_adapter._POLICY_MEANS
+        else:
+            assert sum(short in c for c in classes) == 1, key
 
 
 @pytest.mark.parametrize("name", ["tis_srs_k3", "icepop", "sequence_mask_token", "k1_k2_rejection",

@@ -140,6 +140,8 @@ _TOKEN_MEANS = ("kl", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac",
                 "loss_contrib_neg", "loss_contrib_rollout_pos", "loss_contrib_rollout_neg")
 _SEQ_MEANS = ("chi2_seq", "rejected_seq_frac", "off_policy_masked_frac")
 _PPL_MEANS = ("log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio")
+_LEFT_OUT = ("ess", "delta_abs_max", "log_ppl_diff_max", "log_ppl_diff_min", "training_ppl",
+             "training_log_ppl", "rollout_ppl", "rollout_log_ppl")
 _POLICY_MEANS = ("policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_lower")
 _PREFIX = "rollout_correction/"
 
