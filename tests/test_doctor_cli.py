@@ -1,13 +1,26 @@
-"""The doctor's command line without an engine: argument parsing and the missing-extra error."""
+"""The doctor without an engine: argument parsing, validation, the table and the recommendation."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+import yaml
 
-from rollout_parity import cli
-from rollout_parity.doctor import ROW_SPECS, DoctorOptions, MissingExtraError, check_requirements, format_table
+from rollout_parity import CorrectionConfig, cli
+from rollout_parity.doctor import (
+    DEFAULT_ROWS,
+    ROW_SPECS,
+    DoctorOptions,
+    MissingExtraError,
+    check_requirements,
+    format_recommendation,
+    format_table,
+    framework_lines,
+    recommend,
+    run_doctor,
+)
 
 
 def test_missing_vllm_names_the_extra(monkeypatch, capsys):
@@ -23,24 +36,128 @@ def test_missing_vllm_names_the_extra(monkeypatch, capsys):
 def test_parser_defaults_match_the_options():
     args = cli.build_parser().parse_args(["doctor"])
     opts = DoctorOptions()
-    assert (args.num_prompts, args.samples, args.max_tokens, args.steps) == (
-        opts.num_prompts, opts.samples, opts.max_tokens, opts.steps)
-    assert tuple(args.rows.split(",")) == opts.rows
+    for name in ("num_prompts", "samples", "max_tokens", "steps", "sentences", "temperature", "top_k", "top_p",
+                 "min_p", "update_scale", "preset"):
+        assert getattr(args, name) == getattr(opts, name), name
+    assert tuple(args.rows.split(",")) == opts.rows == DEFAULT_ROWS
     assert set(opts.rows) == set(ROW_SPECS)
+    # The default run includes one truncating sampler, so the s/* rows run.
+    assert opts.top_p < 1.0
 
 
-def test_unknown_row_is_rejected(monkeypatch, capsys):
-    monkeypatch.setattr("rollout_parity.doctor.check_requirements", lambda: None)
-    assert cli.main(["doctor", "--rows", "a,zz", "--no-progress"]) == 2
-    assert "unknown row 'zz'" in capsys.readouterr().err
+@pytest.mark.parametrize("argv,message", [
+    (["--rows", "a,zz"], "unknown row 'zz'"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--update-scale", "-1"], "--update-scale must be >= 0"),
+    (["--top-p", "0"], "top_p must be in"),
+    (["--samples", "0"], "must be >= 1"),
+])
+def test_bad_options_are_rejected_before_anything_runs(monkeypatch, capsys, argv, message):
+    def never():
+        raise AssertionError("validation must come first")
+
+    monkeypatch.setattr("rollout_parity.doctor.check_requirements", never)
+    before = dict(os.environ)
+    assert cli.main(["doctor", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert dict(os.environ) == before  # no engine environment left behind
+
+
+def test_sampler_rows_are_dropped_without_a_truncating_sampler(monkeypatch):
+    from rollout_parity import doctor
+
+    notes = doctor._validate(DoctorOptions(top_p=1.0))
+    assert notes and "s/* rows skipped" in notes[0]
+    assert [s.name for s in doctor._rows(DoctorOptions(top_p=1.0))] == [r for r in DEFAULT_ROWS if not r.startswith("s/")]
+    assert [s.name for s in doctor._rows(DoctorOptions(top_p=1.0, top_k=20))] == list(DEFAULT_ROWS)
+
+
+def _row(name, d, *, tok=1000.0, vs_a=1.0, **extra):
+    spec = ROW_SPECS[name]
+    row = dict(row=name, label=spec.label, how=spec.how, trainer_head="fp32" if spec.trainer_fp32_head else "bf16",
+               delta_abs_mean=d, delta_abs_max=10 * d, kl=1e-5, k3_kl=1e-6, ess=1.0, clipped_frac=0.0,
+               rejected_token_frac=0.01, rejected_seq_frac=0.01, outside_frac=0.0, tokens_per_s=tok, vs_a=vs_a)
+    row.update(extra)
+    return row
+
+
+def _report(scan=None):
+    rows = [_row("a", 5e-2, rejected_seq_frac=1.0), _row("b", 4e-3), _row("c", 3.9e-3), _row("d", 1.3e-3, vs_a=0.7),
+            _row("s/full-vocab", 2e-2, mean_log_kept_mass=-0.02), _row("s/sampler", 1.2e-3),
+            _row("d/salt", 1.3e-3, vs_a=1.0)]
+    report = dict(rows=rows, model="m", vllm_version="0.31.0", correction_preset="tis_srs_k3",
+                  sampling=dict(temperature=0.7, truncating="top-p 0.9", top_k=-1, top_p=0.9, min_p=0.0, max_tokens=8),
+                  workload=dict(versions=3, prompts_per_version=4, samples=8, prompt_tokens=[270, 290],
+                                sequences_per_row=96),
+                  weight_updates=dict(real=True, scale=0.02, stale_delta_abs_mean=9e-3), mean_entropy=0.5,
+                  rejection_threshold_scan=scan or [], notes=[],
+                  timings=dict(total_s=1.0, model_build_s=0.0, engines_s={"recipe_fp32": 0.5}, rounds_s=1.0,
+                               trainer_s=1.0))
+    report["recommendation"] = recommend(report)
+    return report
 
 
 def test_format_table_lists_every_row_and_how_it_was_made():
-    row = dict(row="d", label="+ fp32 head both sides", trainer_head="fp32", delta_abs_mean=1.2e-3,
-               delta_abs_max=1e-2, kl=1e-5, k3_kl=1e-6, ess=1.0, clipped_frac=0.0, tokens_per_s=321.0,
-               how="engine: vllm_parity_kwargs(fp32_lm_head=True)", sequences=4, tokens_per_cpu_s=100.0)
-    report = dict(rows=[row], model="m", vllm_version="0.31.0", correction_preset="tis_srs_k3",
-                  sampling=dict(temperature=0.7, top_k=-1, top_p=1.0, min_p=0.0, max_tokens=8),
-                  timings=dict(total_s=1.0, engines_s={"recipe_fp32": 0.5}))
-    text = format_table(report)
-    assert "1.20e-03" in text and "321" in text and "vllm_parity_kwargs(fp32_lm_head=True)" in text
+    text = format_table(_report())
+    assert "1.30e-03" in text and "1000" in text and "vllm_parity_kwargs(fp32_lm_head=True)" in text
+    assert "0.70" in text  # vs a
+    assert "mean entropy" in text and "0.50 nats" in text
+    assert "one version behind would show mean |d| 9.00e-03" in text
+
+
+def test_recommendation_follows_the_measurements():
+    rec = recommend(_report())
+    steps = {s["rows"]: s for s in rec["steps"]}
+    assert steps["a -> b"]["mattered"] and steps["c -> d"]["mattered"] and steps["s/full-vocab -> s/sampler"]["mattered"]
+    assert not steps["b -> c"]["mattered"]  # 4e-3 -> 3.9e-3: no measurable effect
+    assert rec["fp32_lm_head"] is True and rec["flags"]["fp32_lm_head"] is True
+    assert rec["prefix_cache"]["salt_vs_off_tokens_per_s"] == pytest.approx(1.0 / 0.7)
+    assert rec["rejection_threshold"] is None  # no scan: the preset's threshold stands
+    assert rec["flags"]["rollout_rejection_threshold"] == 0.001
+
+    # c -> d without effect: the lines leave fp32_lm_head out.
+    report = _report()
+    next(r for r in report["rows"] if r["row"] == "d")["delta_abs_mean"] = 3.8e-3
+    assert "fp32_lm_head" not in recommend(report)["flags"]
+
+
+def test_a_threshold_that_rejects_parity_noise_is_loosened():
+    scan = [{"threshold": 0.001, "rejected_seq_frac": 0.11, "rejected_token_frac": 0.11},
+            {"threshold": 0.003, "rejected_seq_frac": 0.05, "rejected_token_frac": 0.05},
+            {"threshold": 0.01, "rejected_seq_frac": 0.01, "rejected_token_frac": 0.01}]
+    report = _report(scan)
+    rec = report["recommendation"]
+    assert rec["rejection_threshold"] == 0.01 and rec["flags"]["rollout_rejection_threshold"] == 0.01
+    assert "rollout_rejection_threshold=0.01" in rec["lines"]["verl"]
+    text = format_recommendation(report)
+    assert "0.001 -> 11.0%" in text and "the lines use 0.01" in text
+
+
+def test_framework_lines_spell_each_frameworks_syntax():
+    cfg = CorrectionConfig.preset("tis_srs_k3", fp32_lm_head=True)
+    lines = framework_lines(cfg)
+    assert lines["verl"].split(" \\\n") == [
+        "    +rollout_parity.rollout_importance_sampling_mode=token_truncate",
+        "    +rollout_parity.rollout_rejection=[seq_sum_k3]",
+        "    +rollout_parity.rollout_rejection_threshold=0.001",
+        "    +rollout_parity.fp32_lm_head=true",
+    ]
+    assert lines["trl"] == ("--rollout_importance_sampling_mode token_truncate --rollout_rejection seq_sum_k3 "
+                            "--rollout_rejection_threshold 0.001 --fp32_lm_head true")
+    nemo = yaml.safe_load(lines["nemo_rl"])
+    assert CorrectionConfig.from_dict(nemo["loss_fn"]["rollout_correction"]) == cfg
+    assert nemo["policy"]["generation"]["vllm_cfg"] == {"enable_prefix_caching": False,
+                                                         "logprobs_mode": "processed_logprobs"}
+    assert nemo["policy"]["hf_config_overrides"] == {"head_dtype": "float32"}
+    # A K1 range stays a string in Hydra (quoted) and on TRL's command line.
+    k1 = CorrectionConfig(rollout_rejection=["seq_mean_k1", "token_k3"], rollout_rejection_threshold=["0.5_2.0", 0.01])
+    lines = framework_lines(k1)
+    assert "+rollout_parity.rollout_rejection_threshold=['0.5_2.0',0.01]" in lines["verl"]
+    assert "--rollout_rejection_threshold 0.5_2.0 0.01" in lines["trl"]
+
+
+def test_run_doctor_validates_before_requirements(monkeypatch):
+    monkeypatch.setattr("rollout_parity.doctor.check_requirements",
+                        lambda: (_ for _ in ()).throw(AssertionError("too early")))
+    with pytest.raises(ValueError, match="unknown row"):
+        run_doctor(DoctorOptions(rows=("nope",)))
