@@ -92,6 +92,30 @@ def test_sync_update_resets_and_bumps():
         update_weights_sync(Refusing(), lambda: None, prefix_cache_policy="reset")
 
 
+def test_sync_update_by_worker_method_name():
+    """``update_weights_sync(llm, "reload_weights", load_kwargs=...)``: vLLM's own reload on every worker."""
+    calls = []
+
+    class LLM:
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            calls.append((method, args, kwargs))
+            return [None]
+
+        def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+            calls.append(("reset", reset_running_requests))
+            return True
+
+    v = WeightVersion()
+    weights = [("lm_head.weight", object())]
+    update_weights_sync(LLM(), "reload_weights", load_kwargs={"weights_iterator": weights},
+                        prefix_cache_policy="salt", version=v)
+    assert calls == [("reload_weights", (), {"weights_iterator": weights})] and v.value == 1
+    with pytest.raises(TypeError, match="async loader"):
+        async def coro():
+            return None
+        update_weights_sync(LLM(), coro)
+
+
 def test_weight_version_stamps():
     v = WeightVersion()
     assert v.stamp("hi") == {"prompt": "hi", "cache_salt": "rollout-parity-weights-v0"}

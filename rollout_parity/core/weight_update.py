@@ -15,11 +15,27 @@ A prefix-cache hit after a load would reuse KV computed under the old weights (v
 when prefix caching stays on a policy guards it:
 
 - ``off``: the recipe's default; the engine runs without a prefix cache, nothing to guard.
-- ``reset``: reset the prefix cache after each load (in-flight requests are preempted and
-  recompute their KV under the new weights, because vLLM cannot drop blocks still in use).
+- ``reset``: reset the prefix cache after each load. Requests frozen in flight are preempted
+  and recompute their KV under the new weights (vLLM cannot drop blocks still in use
+  otherwise), so every token they sample after the load is the new weights' exactly.
 - ``salt``: every request carries ``cache_salt`` = the weight version it started under (as
-  prime-rl does), so blocks never match across versions and the cache keeps its speed.
-  Stamp prompts with :meth:`WeightVersion.stamp`.
+  prime-rl does), so a request started after the load never matches a block cached before
+  it, and the cache keeps its speed. Stamp prompts with :meth:`WeightVersion.stamp`.
+
+Under ``salt`` and ``off`` a request frozen in flight keeps its *own* KV: its later tokens
+come from the new weights reading KV its earlier tokens left under the old ones (V0's
+in-flight semantics, which ``keep`` + ``clear_cache=False`` reproduce). Measured on vLLM 0.31
+CPU (``integration_tests/test_vllm_async_update.py``, new weights of another seed): after the
+load such tokens differ from an engine started fresh on the new weights by ~6e-2 per token
+(the gap grows with the size of the update), under ``reset`` by ~2e-7.
+
+Loading: ``load`` may name a worker method. vLLM >= 0.31's ``reload_weights`` loads HF-named
+tensors (``load_kwargs={"weights_iterator": [(name, tensor), ...]}``, in-process engines) or a
+checkpoint directory (``{"weights_path": path}``) and re-runs each layer's post-load
+processing, so it also works with vLLM's repacked CPU weights::
+
+    await update_weights_in_flight(engine, "reload_weights", load_kwargs={"weights_path": path},
+                                   prefix_cache_policy="reset")
 
 Engines are duck-typed (``AsyncLLM`` for the async helper, ``vllm.LLM`` for the sync one):
 this module never imports vLLM.
@@ -197,6 +213,8 @@ def update_weights_sync(
     else:
         result = load(*load_args, **(load_kwargs or {}))
         if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()  # never started: close it rather than leak an un-awaited coroutine
             raise TypeError("update_weights_sync got an async loader: use update_weights_in_flight")
     if policy == "reset":
         ok = llm.reset_prefix_cache(reset_running_requests=True)
