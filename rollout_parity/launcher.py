@@ -1,0 +1,192 @@
+"""``rollout-parity launch``: run an unmodified TRL GRPO script with the shared flags.
+
+    rollout-parity launch [--preset NAME] [shared flags] script.py [script args...]
+    rollout-parity launch [--preset NAME] [shared flags] -m package.module [module args...]
+    accelerate launch [accelerate args] -m rollout_parity.launcher [...same...]
+
+In the spirit of ``accelerate launch`` / ``torchrun``: everything up to the script is ours,
+everything after it is the script's. Before the script runs, the names a GRPO script imports
+from TRL (``trl.GRPOConfig`` / ``trl.GRPOTrainer``, and the same in ``trl.trainer``) are bound
+to the adapter's ``ParityGRPOConfig`` / ``ParityGRPOTrainer`` (subclasses, so ``isinstance``
+and the script's own subclasses keep working), with the launcher's flags as defaults. So:
+
+* a script parsing ``GRPOConfig`` with ``TrlParser`` (TRL's own ``trl/scripts/grpo.py``) accepts
+  the shared flags in its own arguments too, which override the launcher's;
+* a script building ``GRPOConfig(...)`` in code gets the launcher's flags as the defaults;
+* a trainer built from a plain ``GRPOConfig`` (imported from ``trl.trainer.grpo_config``) still
+  gets the launcher's flags through ``ParityGRPOTrainer.rollout_correction_default``.
+
+The names are restored when the script returns. Scripts that import ``GRPOTrainer`` from
+``trl.trainer.grpo_trainer`` itself are not redirected: the launcher says so at exit if no
+trainer was built through it (use the import swap or ``apply`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import runpy
+import sys
+import typing
+from typing import Any, Callable, Optional, Sequence
+
+from rollout_parity.core.config import CorrectionConfig
+
+__all__ = ["main", "build_parser", "install", "correction_from_args"]
+
+_LIST_FLAGS = ("rollout_rejection", "rollout_rejection_threshold")
+_BOOL_FLAGS = ("log_rollout_offpolicy_metrics", "fp32_lm_head")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-parity launch",
+        description="Run a TRL GRPO script unmodified with rollout-parity's shared flags: the script's "
+                    "trl.GRPOConfig / trl.GRPOTrainer become ParityGRPOConfig / ParityGRPOTrainer.",
+        epilog="Example: rollout-parity launch --rollout_importance_sampling_mode token_truncate "
+               "trl/scripts/grpo.py --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/DeepMath-103K "
+               "--use_vllm",
+    )
+    parser.add_argument("--preset", default=None,
+                        help=f"start from a correction preset ({', '.join(CorrectionConfig.available_presets())})")
+    for field in dataclasses.fields(CorrectionConfig):
+        help_text = field.metadata.get("help", "")
+        if field.name in _BOOL_FLAGS:
+            parser.add_argument(f"--{field.name}", action="store_true", default=None, help=help_text)
+        else:  # one value each, so the script's path is never taken for a flag value; lists are comma-separated
+            parser.add_argument(f"--{field.name}", default=None, metavar="A,B" if field.name in _LIST_FLAGS else "VALUE",
+                                help=help_text)
+    parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE ...",
+                        help="run a module as a script, with the arguments that follow (like python -m)")
+    parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [script args...] (or the module's args)")
+    return parser
+
+
+def _value(name: str, raw: Any) -> Any:
+    """A command-line string in the core's types: ``null`` as None, comma lists, numbers where numeric."""
+    if not isinstance(raw, str) or raw.lower() in ("null", "none"):
+        return None if isinstance(raw, str) else raw
+    if name not in _LIST_FLAGS:
+        return _number(raw)
+    items = [v.strip() if name == "rollout_rejection" else _number(v.strip()) for v in raw.split(",")]
+    return items if name == "rollout_rejection" or len(items) > 1 else items[0]
+
+
+def _number(raw: str) -> Any:
+    try:
+        return float(raw)
+    except ValueError:
+        return raw  # a mode name, or a K1 range such as '0.5_2.0'
+
+
+def correction_from_args(args: argparse.Namespace) -> CorrectionConfig:
+    """The ``CorrectionConfig`` of the launcher's flags (a preset, overridden by the flags given)."""
+    given = {f.name: _value(f.name, getattr(args, f.name)) for f in dataclasses.fields(CorrectionConfig)
+             if getattr(args, f.name) is not None}
+    return CorrectionConfig.preset(args.preset, **given) if args.preset else CorrectionConfig(**given)
+
+
+def install(cfg: CorrectionConfig) -> tuple[Callable[[], None], list]:
+    """Bind ``trl.GRPOConfig`` / ``trl.GRPOTrainer`` (and in ``trl.trainer``) to the adapter's classes.
+
+    Returns ``(uninstall, built)``: ``uninstall()`` restores the previous names; ``built`` lists
+    the trainers built through the launcher's class.
+    """
+    import trl
+    import trl.trainer
+
+    from rollout_parity.adapters.trl import ParityGRPOConfig, ParityGRPOTrainer
+
+    hints = typing.get_type_hints(ParityGRPOConfig)
+    fields = []
+    for name, value in cfg.to_dict().items():  # the launcher's flags become the shared fields' defaults
+        metadata = ParityGRPOConfig.__dataclass_fields__[name].metadata
+        if name in _LIST_FLAGS and value is not None:  # list fields take list defaults (TRL's parser needs them)
+            items = value if isinstance(value, list) else [value]
+            default = dataclasses.field(default_factory=lambda v=items: list(v), metadata=metadata)
+        else:
+            default = dataclasses.field(default=value, metadata=metadata)
+        fields.append((name, hints[name], default))
+    # Pickled (Trainer saves training_args.bin) as a plain ParityGRPOConfig holding the same values.
+    reduce = {"__reduce_ex__": lambda self, protocol: (_parity_config, (self.__dict__,))}
+    config_class = dataclasses.make_dataclass("GRPOConfig", fields, bases=(ParityGRPOConfig,), namespace=reduce)
+    config_class.__module__ = __name__
+    built: list = []
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> None:
+        ParityGRPOTrainer.__init__(self, *args, **kwargs)
+        built.append(self)
+
+    trainer_class = type("GRPOTrainer", (ParityGRPOTrainer,), {
+        "rollout_correction_default": cfg, "__init__": record, "__module__": __name__,
+        "__doc__": f"TRL's GRPOTrainer with rollout-parity (rollout-parity launch: {cfg.to_dict()})."})
+    modules = (trl, trl.trainer)
+    saved = [(module, name, module.__dict__.get(name)) for module in modules for name in ("GRPOConfig", "GRPOTrainer")]
+    for module in modules:
+        module.GRPOConfig, module.GRPOTrainer = config_class, trainer_class
+
+    def uninstall() -> None:
+        for module, name, previous in saved:
+            if previous is None:
+                module.__dict__.pop(name, None)  # TRL's lazy module imports it again on the next access
+            else:
+                setattr(module, name, previous)
+
+    return uninstall, built
+
+
+def _parity_config(state: dict) -> Any:
+    """Unpickle a launched config as the importable ``ParityGRPOConfig`` (no ``__post_init__`` rerun)."""
+    from rollout_parity.adapters.trl import ParityGRPOConfig
+
+    config = ParityGRPOConfig.__new__(ParityGRPOConfig)
+    config.__dict__.update(state)
+    return config
+
+
+def _run(module: Optional[str], target: Sequence[str]) -> int:
+    """Run the script (or module) as ``__main__`` with its own ``sys.argv``; its exit code."""
+    argv, path = sys.argv[:], sys.path[:]
+    try:
+        if module is not None:
+            sys.argv = [module, *target]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script = target[0]
+            sys.argv = list(target)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """``rollout-parity launch``; returns the script's exit code (2 for a bad launcher flag)."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if not (args.module or args.target):
+        parser.error("give a script (script.py [args...]) or -m module [args...]")
+    try:
+        cfg = correction_from_args(args)
+    except ValueError as exc:
+        print(f"rollout-parity launch: {exc}", file=sys.stderr)
+        return 2
+    uninstall, built = install(cfg)
+    try:
+        code = _run(args.module[0], args.module[1:]) if args.module else _run(None, args.target)
+    finally:
+        uninstall()
+    if code == 0 and not built:
+        print("rollout-parity launch: the script built no GRPOTrainer through trl.GRPOTrainer, so no flag acted "
+              "(a script importing trl.trainer.grpo_trainer.GRPOTrainer directly needs the import swap or apply())",
+              file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
