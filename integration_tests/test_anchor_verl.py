@@ -164,8 +164,8 @@ def test_driver_hook_writes_what_verls_own_correction_writes(name):
         return DataProto.from_dict(tensors={"old_log_probs": old.clone(), "rollout_log_probs": rollout.clone(),
                                             "response_mask": mask.clone()})
 
-    original = getattr(helper.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK,
-                       helper.compute_rollout_correction_and_add_to_batch)
+    original = getattr(helper.compute_rollout_correction_and_add_to_batch, "__wrapped__",
+                       helper.compute_rollout_correction_and_add_to_batch)  # verl's own, unpatched
     theirs, _ = original(batch(), adapter.verl_equivalent(cfg))
     adapter.set_active_config(cfg)
     try:

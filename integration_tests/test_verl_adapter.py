@@ -1,19 +1,24 @@
-"""The verl adapter against the real verl 0.9.1 on CPU (issue 5).
+"""The verl adapter against the real verl on CPU (issues 5, 10, 11).
 
-* our loss, fetched through verl's ``get_policy_loss_fn``, equals the core and equals verl's
-  own ``vanilla`` loss fed the same weights and mask, for every aggregation mode and with
-  verl's global (data-parallel) normalisers;
+* the apply/revert/is_applied trio: identity, idempotence, the lookup sites, all or nothing,
+  a missing private name or a stranger's wrapper refused by name (STYLE.md rules 6-9, 12);
 * a Hydra compose of verl's own ``ppo_trainer`` config with ``+rollout_parity.*`` overrides
-  validates into the expected ``CorrectionConfig`` and vLLM engine kwargs;
-* the shared cross-framework batch gives the core's weights, mask, loss, gradient and
-  metrics to 1e-6 (decoupled: driver hook + loss; bypass: loss alone);
-* double correction raises; the patches are idempotent and reversible.
+  validates into the expected ``CorrectionConfig`` and rewrites only what it must (the user's
+  ``loss_mode`` stays), and what cannot be expressed is refused by name;
+* the shared cross-framework batch through verl's own loss gives the core's weights, mask,
+  loss, gradient and metrics to 1e-6 (decoupled: driver hook + loss; bypass: both routes);
+* rejected tokens and sequences leave verl's GRPO baselines; verl's V1 driver step runs it;
+* verl and TRL 1.16 side by side: verl's TRL detection is off only where TRL lacks the class.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +35,7 @@ from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
+from rollout_parity.adapters import _compat  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
 
@@ -38,9 +44,11 @@ from .shared_batch import all_config_names, config_for, core_reference, load_exp
 pytestmark = [pytest.mark.verl]
 
 ATOL = 1e-6
+REPO = Path(__file__).resolve().parents[1]
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(core_algos.__file__), "..", "config")
 BASE_OVERRIDES = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                   "actor_rollout_ref.rollout.name=vllm"]
+OUR_LOSS_METRICS = ("policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_lower")
 
 
 def compose_verl(*overrides: str):
@@ -64,230 +72,147 @@ def active():
     adapter.set_active_config(None)
 
 
+@pytest.fixture
+def reverted():
+    """Run a test with the adapter reverted; re-applied afterwards whatever happened."""
+    adapter.revert()
+    try:
+        yield
+    finally:
+        adapter.revert()
+        adapter.apply()
+
+
 def token_advantages(batch):
     # verl's GRPO advantages are (B, T): the sequence score broadcast and masked.
     return batch.advantages.unsqueeze(-1) * batch.response_mask
 
 
-def verl_loss(actor_config, *, old, cur, adv, mask, weights, agg="token-mean", global_info=None):
+def verl_loss(actor_config, *, old, cur, adv, mask, weights, agg="token-mean", global_info=None, mode="vanilla"):
+    """verl's loss as its ppo_loss fetches it (through the registry lookup we wrap)."""
     actor_config.global_batch_info.clear()
     actor_config.global_batch_info.update(global_info or {})
-    fn = core_algos.get_policy_loss_fn(adapter.LOSS_NAME)
+    fn = core_algos.get_policy_loss_fn(mode)
     return fn(old_log_prob=old, log_prob=cur, advantages=adv, response_mask=mask.bool(), loss_agg_mode=agg,
               config=actor_config, rollout_is_weights=weights)
 
 
-def through_verl(name, actor_config, active):
-    """The decoupled verl path on the shared batch: driver hook, then the registered loss."""
-    cfg = active(config_for(name))
-    batch = make_shared_batch()
-    proto = DataProto.from_dict(tensors={"old_log_probs": batch.old_logprobs.clone(),
-                                         "rollout_log_probs": batch.rollout_logprobs.clone(),
-                                         "response_mask": batch.response_mask.clone()})
-    rc = OmegaConf.create({"rollout_is": None, "rollout_rs": None, "bypass_mode": False})
-    proto, driver_metrics = helper.compute_rollout_correction_and_add_to_batch(proto, rc)
-    weights = proto.batch.get("rollout_is_weights", None) if "rollout_is_weights" in proto.batch.keys() else None
-    current = batch.fresh_current()
-    loss, loss_metrics = verl_loss(actor_config, old=batch.old_logprobs, cur=current, adv=token_advantages(batch),
-                                   mask=proto.batch["response_mask"], weights=weights)
-    loss.backward()
-    return cfg, proto, weights, loss, current.grad, driver_metrics, loss_metrics
+def driver(old, rollout, mask, rc=None):
+    proto = DataProto.from_dict(tensors={"old_log_probs": old.clone(), "rollout_log_probs": rollout.clone(),
+                                         "response_mask": mask.clone()})
+    rc = rc or {"rollout_is": None, "rollout_rs": None, "bypass_mode": False}
+    proto, metrics = helper.compute_rollout_correction_and_add_to_batch(proto, rc)
+    weights = proto.batch["rollout_is_weights"] if "rollout_is_weights" in proto.batch.keys() else None
+    return proto, weights, metrics
 
 
-# ----------------------------------------------------------------------------- registration
+# ============================================================================= the trio
 
-def test_loss_is_registered_through_verls_registry_and_patches_are_reversible():
-    assert core_algos.get_policy_loss_fn("rollout_parity") is adapter.rollout_parity_policy_loss
-    patched = helper.compute_rollout_correction_and_add_to_batch
-    assert hasattr(patched, adapter._PATCH_MARK)
-    adapter.install()  # idempotent: no double wrapping
-    assert helper.compute_rollout_correction_and_add_to_batch is patched
-    adapter.uninstall()
+EAGER = [p for p in adapter._PATCH_POINTS if p.eager]
+
+
+def _resolve(point):
+    import importlib
+
+    owner, name = adapter._owner_and_name(importlib.import_module(point.module), point.attr)
+    return owner, name
+
+
+def test_apply_wraps_every_eager_name_once_and_revert_restores_the_very_originals():
+    import verl.workers.utils.losses as losses
+
+    assert adapter.is_applied()
+    patched = {p.dotted: adapter._current(*_resolve(p)) for p in EAGER}
+    originals = {k: v.__wrapped__ for k, v in patched.items()}
+    for dotted, fn in patched.items():
+        assert getattr(fn, adapter._PATCH_MARK) is True, dotted
+        assert not hasattr(originals[dotted], adapter._PATCH_MARK), dotted  # __wrapped__ is verl's, not a wrapper
+    assert losses.get_policy_loss_fn is core_algos.get_policy_loss_fn  # the lookup site has the same wrapper
+    assert losses.ppo_loss.__wrapped__.__module__ == "verl.workers.utils.losses"
+    adapter.apply()  # idempotent: the very same objects
+    assert {p.dotted: adapter._current(*_resolve(p)) for p in EAGER} == patched
+    adapter.revert()
     try:
-        assert "rollout_parity" not in core_algos.POLICY_LOSS_REGISTRY
-        assert not hasattr(helper.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
-        import verl.utils.config as verl_config
-        assert not hasattr(verl_config.validate_config, adapter._PATCH_MARK)
+        assert not adapter.is_applied()
+        for point in EAGER:
+            assert adapter._current(*_resolve(point)) is originals[point.dotted], point.dotted
+        assert losses.get_policy_loss_fn is originals["verl.trainer.ppo.core_algos.get_policy_loss_fn"]
+        assert not hasattr(losses.ppo_loss, adapter._PATCH_MARK)
+        assert adapter._import_hook not in sys.meta_path
     finally:
-        adapter.install()
-    assert core_algos.get_policy_loss_fn("rollout_parity") is adapter.rollout_parity_policy_loss
+        adapter.apply()
+    assert adapter.is_applied()
 
 
-def test_without_our_flags_verls_own_correction_runs_unchanged(active):
+def test_old_names_are_future_warning_aliases():
+    with pytest.warns(FutureWarning, match="is_applied"):
+        assert adapter.is_installed()
+    try:
+        with pytest.warns(FutureWarning, match="revert"):
+            adapter.uninstall()
+        assert not adapter.is_applied()
+        with pytest.warns(FutureWarning, match="apply"):
+            adapter.install()
+    finally:
+        adapter.apply()
+    assert adapter.is_applied()
+
+
+def test_a_missing_private_name_is_refused_by_name_and_nothing_stays_patched(reverted, monkeypatch):
+    import verl.utils.config as verl_config
+
+    monkeypatch.delattr(core_algos, "get_policy_loss_fn")
+    with pytest.raises(_compat.FrameworkAPIError, match=r"verl\.trainer\.ppo\.core_algos\.get_policy_loss_fn"):
+        adapter.apply()
+    assert not hasattr(verl_config.validate_config, adapter._PATCH_MARK)  # patched first, undone
+    assert not hasattr(helper.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
+
+
+def test_a_strangers_wrapper_is_not_stacked_on(reverted, monkeypatch):
+    original = core_algos.get_policy_loss_fn
+
+    @functools.wraps(original)
+    def someone_elses(name):
+        return original(name)
+
+    monkeypatch.setattr(core_algos, "get_policy_loss_fn", someone_elses)
+    with pytest.raises(RuntimeError, match="already wrapped by .*someone_elses"):
+        adapter.apply()
+    assert core_algos.get_policy_loss_fn is someone_elses
+
+
+def test_an_untested_verl_version_warns_once_naming_the_tested_range(reverted, monkeypatch):
+    monkeypatch.setattr(_compat, "installed_version", lambda dists: "0.10.7")
+    with pytest.warns(_compat.UntestedFrameworkVersionWarning, match=r">=0\.8\.0,<0\.10"):
+        adapter.apply()
+
+
+def test_a_run_checks_every_required_name_before_it_starts(monkeypatch):
+    import verl.workers.utils.padding as padding
+
+    monkeypatch.delattr(padding, "response_to_nested")
+    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate")
+    with pytest.raises(_compat.FrameworkAPIError, match=r"verl\.workers\.utils\.padding\.response_to_nested"):
+        adapter.configure_verl(config)
+    assert adapter.active_config() is None
+    assert set(adapter.REQUIRED_VERL_NAMES) >= {p.dotted for p in adapter._PATCH_POINTS if not p.optional}
+
+
+def test_without_our_flags_every_wrapper_passes_through(active):
+    assert core_algos.get_policy_loss_fn("gspo") is core_algos.POLICY_LOSS_REGISTRY["gspo"]
     batch = make_shared_batch()
     finite = torch.nan_to_num(batch.rollout_logprobs, nan=-1.0, neginf=-5.0)
-    mask = batch.response_mask.clone()
-    mask[4, 0] = 1.0  # verl refuses an all-empty row set only if all rows are empty; keep its input valid
-
-    def proto():
-        return DataProto.from_dict(tensors={"old_log_probs": batch.old_logprobs.clone(),
-                                            "rollout_log_probs": finite.clone(), "response_mask": mask.clone()})
-
     rc = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": None, "rollout_rs_threshold": None}
-    ours, metrics = helper.compute_rollout_correction_and_add_to_batch(proto(), rc)
-    original = getattr(helper.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
-    theirs, their_metrics = original(proto(), rc)
+    ours, _, metrics = driver(batch.old_logprobs, finite, batch.response_mask, rc)
+    original = helper.compute_rollout_correction_and_add_to_batch.__wrapped__
+    proto = DataProto.from_dict(tensors={"old_log_probs": batch.old_logprobs.clone(), "rollout_log_probs": finite.clone(),
+                                         "response_mask": batch.response_mask.clone()})
+    theirs, their_metrics = original(proto, rc)
     torch.testing.assert_close(ours.batch["rollout_is_weights"], theirs.batch["rollout_is_weights"])
     assert set(metrics) == set(their_metrics) and all(k.startswith("rollout_corr/") for k in metrics)
 
 
-def test_loss_without_flags_is_a_clear_error(actor_config):
-    batch = make_shared_batch()
-    with pytest.raises(RuntimeError, match=adapter.ENV_CONFIG):
-        verl_loss(actor_config, old=batch.old_logprobs, cur=batch.fresh_current(), adv=token_advantages(batch),
-                  mask=batch.response_mask, weights=None)
-
-
-# ----------------------------------------------------------------------------- loss equivalence
-
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-@pytest.mark.parametrize("global_info", [None, {"dp_size": 2, "batch_num_tokens": 113, "global_batch_size": 13,
-                                                "loss_scale_factor": None},
-                                         {"dp_size": 1, "batch_num_tokens": 60, "global_batch_size": 8,
-                                          "loss_scale_factor": 7}])
-def test_loss_equals_verls_vanilla_loss_given_the_same_weights(actor_config, active, agg, global_info):
-    """Independent anchor: verl's own PPO loss with the same rollout_is_weights and mask."""
-    active(CorrectionConfig.preset("verl_decoupled_token_is"))
-    batch = make_shared_batch()
-    old, adv = batch.old_logprobs, token_advantages(batch)
-    rollout = torch.nan_to_num(batch.rollout_logprobs, nan=0.0, neginf=-30.0)
-    weights = torch.exp((old - rollout).clamp(-20, 20)).clamp(max=2.0) * batch.response_mask
-    cur_ours, cur_verl = batch.fresh_current(), batch.fresh_current()
-    ours, _ = verl_loss(actor_config, old=old, cur=cur_ours, adv=adv, mask=batch.response_mask, weights=weights,
-                        agg=agg, global_info=global_info)
-    actor_config.global_batch_info.clear()
-    actor_config.global_batch_info.update(global_info or {})
-    theirs, _ = core_algos.compute_policy_loss_vanilla(old_log_prob=old, log_prob=cur_verl, advantages=adv,
-                                                        response_mask=batch.response_mask.bool(), loss_agg_mode=agg,
-                                                        config=actor_config, rollout_is_weights=weights)
-    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=ATOL)
-    ours.backward()
-    theirs.backward()
-    torch.testing.assert_close(cur_ours.grad, cur_verl.grad, atol=ATOL, rtol=ATOL)
-    assert ours.abs() > 0
-
-
-def test_dual_clip_follows_verls_clip_ratio_c(actor_config, active):
-    active(CorrectionConfig())
-    batch = make_shared_batch()
-    cur = (batch.old_logprobs + 2.0).requires_grad_(True)  # ratio e^2 > clip_ratio_c=3 where A < 0
-    adv = token_advantages(batch)
-    ours, metrics = verl_loss(actor_config, old=batch.old_logprobs, cur=cur, adv=adv, mask=batch.response_mask,
-                              weights=None)
-    theirs, their_metrics = core_algos.compute_policy_loss_vanilla(
-        old_log_prob=batch.old_logprobs, log_prob=cur, advantages=adv, response_mask=batch.response_mask.bool(),
-        config=actor_config)
-    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=ATOL)
-    assert metrics["policy/pg_clipfrac_lower"] == pytest.approx(their_metrics["actor/pg_clipfrac_lower"], abs=ATOL)
-    assert metrics["policy/pg_clipfrac_lower"] > 0
-
-
-# ----------------------------------------------------------------------------- shared batch
-
-DECOUPLED_EXACT = [n for n in all_config_names() if config_for(n).off_policy_sequence_mask_delta is None]
-# C(r_ppo^rollout) needs rollout logprobs inside the loss, which verl 0.9.1 does not pass.
-NOT_IN_VERL_DECOUPLED = {"rollout_correction/loss_contrib_rollout_pos", "rollout_correction/loss_contrib_rollout_neg"}
-
-
-@pytest.mark.parametrize("name", DECOUPLED_EXACT)
-def test_shared_batch_decoupled_matches_the_core(name, actor_config, active):
-    ref = core_reference(name)
-    frozen = load_expected()[name]
-    cfg, proto, weights, loss, grad, driver_metrics, loss_metrics = through_verl(name, actor_config, active)
-    mask = proto.batch["response_mask"]
-    torch.testing.assert_close(mask, ref["mask"], atol=0, rtol=0)
-    if cfg.rollout_importance_sampling_mode is not None:
-        torch.testing.assert_close(weights, ref["weights"], atol=ATOL, rtol=ATOL)
-    else:
-        assert weights is None  # nothing to weight: verl's loss gets no rollout_is_weights
-    torch.testing.assert_close(loss, ref["loss"], atol=ATOL, rtol=ATOL)
-    torch.testing.assert_close(grad, ref["grad"], atol=ATOL, rtol=ATOL)
-    assert loss.item() == pytest.approx(frozen["loss"], abs=ATOL)
-    metrics = {**driver_metrics, **loss_metrics}
-    expected = {k: v for k, v in ref["metrics"].items() if k not in NOT_IN_VERL_DECOUPLED}
-    if not cfg.wants_metrics:
-        expected = {k: v for k, v in expected.items() if not k.startswith("rollout_correction/")}
-    else:
-        # C(r_ppo^train) = -(pi_theta/pi_old - 1) A (paper eq. 5) is computed in the loss, over the
-        # tokens the loss sees (after rejection; rollout NaN/-inf are invisible there): naive reference.
-        batch = make_shared_batch()
-        seen = ref["mask"].bool()
-        contrib = -(torch.exp(batch.current_logprobs.detach() - batch.old_logprobs) - 1) * batch.advantages[:, None]
-        n = seen.sum()
-        expected["rollout_correction/loss_contrib_pos"] = (contrib * (seen & (batch.advantages[:, None] > 0))).sum().item() / n.item()
-        expected["rollout_correction/loss_contrib_neg"] = (contrib * (seen & (batch.advantages[:, None] < 0))).sum().item() / n.item()
-    assert set(metrics) == set(expected)
-    for key, value in expected.items():
-        assert metrics[key] == pytest.approx(value, abs=ATOL, rel=ATOL), key
-
-
-def test_shared_batch_off_policy_mask_in_decoupled_verl_uses_pi_old_as_behaviour(actor_config, active):
-    """The loss cannot see rollout logprobs in verl 0.9.1, so the behaviour policy is pi_old (DESIGN fallback)."""
-    name = "off_policy_mask"
-    cfg, proto, weights, loss, grad, driver_metrics, loss_metrics = through_verl(name, actor_config, active)
-    batch = make_shared_batch()
-    no_delta = core_reference_without_delta(cfg, batch)
-    torch.testing.assert_close(weights, no_delta.weights, atol=ATOL, rtol=ATOL)
-    torch.testing.assert_close(proto.batch["response_mask"], no_delta.mask, atol=0, rtol=0)
-    # naive reference: delta_i = mean_t(old - current) over valid tokens, masked when > delta and A_i < 0
-    valid = batch.response_mask.bool()
-    drift = ((batch.old_logprobs - batch.current_logprobs.detach()) * valid).sum(-1) / valid.sum(-1).clamp_min(1)
-    off = (drift > cfg.off_policy_sequence_mask_delta) & (batch.advantages < 0) & valid.any(-1)
-    expected_mask = no_delta.mask.bool() & ~off.unsqueeze(-1)
-    current = batch.fresh_current()
-    correction = no_delta
-    correction.mask = expected_mask.float() * batch.response_mask
-    ref_loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=batch.old_logprobs,
-                              advantages=batch.advantages, correction=correction, clip_ratio=0.2, clip_ratio_c=3.0)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL)
-    torch.testing.assert_close(grad, current.grad, atol=ATOL, rtol=ATOL)
-    assert loss_metrics["rollout_correction/off_policy_masked_frac"] == pytest.approx(
-        off.sum().item() / valid.any(-1).sum().item(), abs=ATOL)
-
-
-def core_reference_without_delta(cfg, batch):
-    return compute_correction(cfg.replace(off_policy_sequence_mask_delta=None), old_logprobs=batch.old_logprobs,
-                              rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask)
-
-
-BYPASS_CONFIGS = {
-    "bypass_tis_srs_k3_rejection": dict(old_logprob_source="bypass", rollout_rejection=["seq_sum_k3"],
-                                        rollout_rejection_threshold=0.05),
-    "bypass_off_policy": dict(old_logprob_source="bypass", off_policy_sequence_mask_delta=0.02,
-                              log_rollout_offpolicy_metrics=True),
-}
-
-
-@pytest.mark.parametrize("name", sorted(BYPASS_CONFIGS))
-def test_shared_batch_bypass_matches_the_core(name, actor_config, active):
-    """Bypass: verl copies rollout_log_probs into old_log_probs; the loss does the rest."""
-    cfg = active(CorrectionConfig(**BYPASS_CONFIGS[name]))
-    batch = make_shared_batch()
-    # Under bypass the NaN rollout logprob *is* pi_old inside the PPO ratio: policy_loss
-    # treats it as a neutral token (ratio 1), so the loss stays finite.
-    # core, as a user of the core would call it
-    current_ref = batch.fresh_current()
-    out = compute_correction(cfg, rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
-                             advantages=batch.advantages, current_logprobs=current_ref)
-    ref_loss, ref_metrics = policy_loss(cfg, current_logprobs=current_ref, advantages=batch.advantages,
-                                        correction=out, clip_ratio=0.2, clip_ratio_c=3.0)
-    ref_loss.backward()
-    # verl: old_log_probs := rollout_log_probs (verl's own bypass switch), then our loss
-    current = batch.fresh_current()
-    loss, metrics = verl_loss(actor_config, old=batch.rollout_logprobs, cur=current, adv=token_advantages(batch),
-                              mask=batch.response_mask, weights=None)
-    loss.backward()
-    assert torch.isfinite(loss)
-    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL)
-    torch.testing.assert_close(current.grad, current_ref.grad, atol=ATOL, rtol=ATOL)
-    assert set(metrics) == set(ref_metrics)
-    for key, value in ref_metrics.items():
-        assert metrics[key] == pytest.approx(value, abs=ATOL, rel=ATOL), key
-    assert out.mask.sum() < batch.response_mask.sum()  # the config really masked something
-
-
-# ----------------------------------------------------------------------------- Hydra config
+# ============================================================================= Hydra config
 
 def test_hydra_compose_of_verls_config_validates_into_correction_config():
     config = compose_verl(
@@ -295,51 +220,69 @@ def test_hydra_compose_of_verls_config_validates_into_correction_config():
         "+rollout_parity.rollout_rejection=[seq_sum_k3]",
         "+rollout_parity.rollout_rejection_threshold=0.001",
         "+rollout_parity.fp32_lm_head=true",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
     )
     cfg = adapter.configure_verl(config)
     try:
         assert cfg == CorrectionConfig.preset("tis_srs_k3", fp32_lm_head=True)
+        assert adapter.correction_config_from_verl(config) == cfg  # the public parse, e.g. for the doctor
         rollout = config.actor_rollout_ref.rollout
         assert OmegaConf.to_container(rollout.engine_kwargs.vllm) == vllm_parity_kwargs(fp32_lm_head=True)
         assert rollout.engine_kwargs.vllm.hf_overrides.head_dtype == "float32"
         assert rollout.enable_prefix_caching is False and rollout.logprobs_mode == "processed_logprobs"
         assert rollout.calculate_log_probs is True
-        assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "rollout_parity"
+        assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"  # the user's loss, unchanged
         assert config.actor_rollout_ref.model.external_lib == "rollout_parity.adapters.verl"
-        env = config.ray_kwargs.ray_init.runtime_env.env_vars[adapter.ENV_CONFIG]
-        assert CorrectionConfig.from_dict(json.loads(env)) == cfg
+        env = config.ray_kwargs.ray_init.runtime_env.env_vars
+        assert CorrectionConfig.from_dict(json.loads(env[adapter.ENV_CONFIG])) == cfg
+        assert adapter.ENV_SAMPLER not in env  # top_k/top_p off: no sampler-aware pass
         assert adapter.active_config() == cfg
-        # verl still turns the rewritten blocks into its dataclasses
-        actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-        assert actor.policy_loss.loss_mode == "rollout_parity"
+        actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # verl's dataclasses still build
+        assert actor.policy_loss.loss_mode == "gspo"
         assert omega_conf_to_dataclass(config.actor_rollout_ref.rollout).engine_kwargs["vllm"]["logprobs_mode"] \
             == "processed_logprobs"
         assert config.algorithm.rollout_correction.bypass_mode is False
-        # configuring twice changes nothing
         snapshot = OmegaConf.to_container(config)
-        adapter.configure_verl(config)
+        adapter.configure_verl(config)  # configuring twice changes nothing
         assert OmegaConf.to_container(config) == snapshot
     finally:
         adapter.set_active_config(None)
 
 
-def test_hydra_preset_and_bypass():
-    config = compose_verl("+rollout_parity.preset=verl_decoupled_token_is",
-                          "actor_rollout_ref.model.external_lib=my_models")
+@pytest.mark.parametrize("rejection, verl_bypass", [(False, True), (True, False)])
+def test_bypass_uses_verls_switch_unless_rejection_needs_pi_old_before_the_advantages(rejection, verl_bypass):
+    extra = ["+rollout_parity.rollout_rejection=[token_k3]", "+rollout_parity.rollout_rejection_threshold=0.5"] \
+        if rejection else []
+    config = compose_verl("+rollout_parity.old_logprob_source=bypass", *extra)
     try:
-        assert adapter.configure_verl(config) == CorrectionConfig.preset("verl_decoupled_token_is")
-        assert list(config.actor_rollout_ref.model.external_lib) == ["my_models", "rollout_parity.adapters.verl"]
-        config = compose_verl("+rollout_parity.old_logprob_source=bypass",
-                              "+rollout_parity.rollout_rejection=[token_k3]",
-                              "+rollout_parity.rollout_rejection_threshold=0.5")
-        cfg = adapter.configure_verl(config)
-        assert cfg.old_logprob_source == "bypass"
-        # verl's own switch for pi_old := pi_rollout, with none of verl's corrections on
+        assert adapter.configure_verl(config).old_logprob_source == "bypass"
         rc = config.algorithm.rollout_correction
-        assert rc.bypass_mode is True and rc.rollout_is is None and rc.rollout_rs is None
+        assert rc.bypass_mode is verl_bypass and rc.rollout_is is None and rc.rollout_rs is None
         assert "hf_overrides" not in config.actor_rollout_ref.rollout.engine_kwargs.vllm
     finally:
         adapter.set_active_config(None)
+
+
+def test_preset_and_an_existing_external_lib():
+    config = compose_verl("+rollout_parity.preset=verl_decoupled_token_is", "actor_rollout_ref.model.external_lib=my_models")
+    try:
+        assert adapter.configure_verl(config) == CorrectionConfig.preset("verl_decoupled_token_is")
+        assert list(config.actor_rollout_ref.model.external_lib) == ["my_models", "rollout_parity.adapters.verl"]
+    finally:
+        adapter.set_active_config(None)
+
+
+def test_top_p_turns_on_the_sampler_aware_pass_for_every_ray_actor():
+    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate",
+                          "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20")
+    try:
+        adapter.configure_verl(config)
+        env = config.ray_kwargs.ray_init.runtime_env.env_vars
+        assert json.loads(env[adapter.ENV_SAMPLER]) == {"top_k": 20, "top_p": 0.9, "min_p": 0.0}
+        assert adapter.active_sampler() == adapter.SamplerSpec(top_k=20, top_p=0.9)
+    finally:
+        adapter.set_active_config(None)
+    assert adapter.active_sampler() is None
 
 
 VALID_RUN = ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
@@ -361,14 +304,11 @@ def test_verls_patched_validate_config_configures_then_validates():
         assert adapter.active_config() == CorrectionConfig.preset("tis_srs_k3", fp32_lm_head=True)
     finally:
         adapter.set_active_config(None)
-    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "rollout_parity"
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
 
 
 def test_a_real_main_ppo_command_line_rejects_a_bad_flag_at_start(tmp_path):
     """``python -m verl.trainer.main_ppo ... +rollout_parity.<bad>`` fails before Ray starts."""
-    import subprocess
-    import sys
-
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=adapter.MODULE, HYDRA_FULL_ERROR="1")
     proc = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", *BASE_OVERRIDES, *VALID_RUN,
@@ -380,21 +320,35 @@ def test_a_real_main_ppo_command_line_rejects_a_bad_flag_at_start(tmp_path):
     assert "ray init kwargs" not in proc.stdout  # stopped before run_ppo
 
 
-@pytest.mark.parametrize("override, flag", [
-    ("+rollout_parity.rollout_importance_sampling_mode=token_clip", "rollout_importance_sampling_mode"),
-    ("+rollout_parity.rollout_importance_sampling_threshold=-1", "rollout_importance_sampling_threshold"),
-    ("+rollout_parity.rollout_rejection=[seq_sum_k4]", "rollout_rejection"),
-    ("+rollout_parity.rollout_importance_sampling_treshold=2", "rollout_importance_sampling_treshold"),
-    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_prefix_caching=true", "enable_prefix_caching"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "loss_mode"),
-    ("actor_rollout_ref.actor.loss_agg_mode=token-sum", "token-sum"),
+@pytest.mark.parametrize("overrides, flag", [
+    (["+rollout_parity.rollout_importance_sampling_mode=token_clip"], "rollout_importance_sampling_mode"),
+    (["+rollout_parity.rollout_importance_sampling_threshold=-1"], "rollout_importance_sampling_threshold"),
+    (["+rollout_parity.rollout_rejection=[seq_sum_k4]"], "rollout_rejection"),
+    (["+rollout_parity.rollout_importance_sampling_treshold=2"], "rollout_importance_sampling_treshold"),
+    (["+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_prefix_caching=true"], "enable_prefix_caching"),
+    (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.model.use_fused_kernels=true"], "use_fused_kernels"),
+    (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.actor.strategy=megatron"], "strategy"),
+    (["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+     "sequence parallelism"),
 ])
-def test_bad_flags_fail_at_start_naming_the_flag(override, flag):
-    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate", override) \
-        if not override.startswith("+rollout_parity.") else compose_verl(override)
+def test_what_cannot_be_expressed_fails_at_start_naming_it(overrides, flag):
+    if not any(o.startswith("+rollout_parity.") for o in overrides):
+        overrides = ["+rollout_parity.rollout_importance_sampling_mode=token_truncate", *overrides]
+    config = compose_verl(*overrides)
     with pytest.raises(ValueError, match=flag):
         adapter.configure_verl(config)
     assert adapter.active_config() is None
+
+
+@pytest.mark.parametrize("loss_mode", ["gspo", "cispo", "geo_mean"])
+def test_any_verl_loss_mode_is_kept(loss_mode):
+    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate",
+                          f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}")
+    try:
+        adapter.configure_verl(config)
+    finally:
+        adapter.set_active_config(None)
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
 
 
 def test_no_block_leaves_verls_config_untouched():
@@ -403,8 +357,6 @@ def test_no_block_leaves_verls_config_untouched():
     assert adapter.configure_verl(config) is None
     assert OmegaConf.to_container(config) == before
 
-
-# ----------------------------------------------------------------------------- double correction
 
 @pytest.mark.parametrize("override", [
     "algorithm.rollout_correction.rollout_is=token",
@@ -421,13 +373,146 @@ def test_double_correction_is_refused_at_start(override):
 def test_double_correction_is_refused_on_the_driver_too(active):
     active(CorrectionConfig.preset("verl_decoupled_token_is"))
     batch = make_shared_batch()
-    proto = DataProto.from_dict(tensors={"old_log_probs": batch.old_logprobs, "rollout_log_probs":
-                                         batch.rollout_logprobs, "response_mask": batch.response_mask})
     with pytest.raises(ValueError, match="double correction"):
-        helper.compute_rollout_correction_and_add_to_batch(proto, {"rollout_is": "token", "rollout_rs": None})
+        driver(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, {"rollout_is": "token", "rollout_rs": None})
 
 
-# ----------------------------------------------------------------------------- fp32 lm_head hook
+# ============================================================================= the shared batch
+
+DECOUPLED_EXACT = [n for n in all_config_names() if config_for(n).off_policy_sequence_mask_delta is None]
+# C(r_ppo^rollout) needs rollout logprobs inside the loss, which verl does not pass in decoupled mode.
+NOT_IN_VERL_DECOUPLED = {"rollout_correction/loss_contrib_rollout_pos", "rollout_correction/loss_contrib_rollout_neg"}
+
+
+@pytest.mark.parametrize("name", DECOUPLED_EXACT)
+def test_shared_batch_decoupled_matches_the_core(name, actor_config, active):
+    """Driver hook -> verl's own vanilla loss on our weights and mask == the core, to 1e-6."""
+    cfg = active(config_for(name))
+    batch = make_shared_batch()
+    ref = core_reference(name)
+    proto, weights, driver_metrics = driver(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
+    mask = proto.batch["response_mask"]
+    torch.testing.assert_close(mask, ref["mask"], atol=0, rtol=0)
+    if cfg.rollout_importance_sampling_mode is not None:
+        torch.testing.assert_close(weights, ref["weights"], atol=ATOL, rtol=ATOL)
+    else:
+        assert weights is None  # nothing to weight: verl's loss gets no rollout_is_weights
+    current = batch.fresh_current()
+    loss, loss_metrics = verl_loss(actor_config, old=batch.old_logprobs, cur=current, adv=token_advantages(batch),
+                                   mask=mask, weights=weights)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref["loss"], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(current.grad, ref["grad"], atol=ATOL, rtol=ATOL)
+    assert loss.item() == pytest.approx(load_expected()[name]["loss"], abs=ATOL)
+    metrics = {**driver_metrics, **{k: v for k, v in loss_metrics.items() if not k.startswith("actor/")}}
+    expected = {k: v for k, v in ref["metrics"].items() if k not in NOT_IN_VERL_DECOUPLED}
+    expected["policy/nonfinite_frac"] = 0.0  # the loss's own inputs (pi_old, pi_theta) are finite here
+    if not cfg.wants_metrics:
+        expected = {k: v for k, v in expected.items() if not k.startswith("rollout_correction/")}
+    else:
+        # C(r_ppo^train) = -(pi_theta/pi_old - 1) A (paper eq. 5) over the tokens the loss sees: naive reference.
+        seen = ref["mask"].bool()
+        contrib = -(torch.exp(batch.current_logprobs.detach() - batch.old_logprobs) - 1) * batch.advantages[:, None]
+        n = seen.sum().item()
+        expected["rollout_correction/loss_contrib_pos"] = (contrib * (seen & (batch.advantages[:, None] > 0))).sum().item() / n
+        expected["rollout_correction/loss_contrib_neg"] = (contrib * (seen & (batch.advantages[:, None] < 0))).sum().item() / n
+    assert set(metrics) == set(expected)
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=ATOL, rel=ATOL), key
+    # verl's own vanilla metrics are still there, next to ours
+    assert {"actor/pg_clipfrac", "actor/ppo_kl"} <= set(loss_metrics)
+
+
+def test_shared_batch_off_policy_mask_in_decoupled_verl_uses_pi_old_as_behaviour(actor_config, active):
+    """The loss cannot see rollout logprobs in decoupled verl: the behaviour policy is pi_old (DESIGN fallback)."""
+    cfg = active(config_for("off_policy_mask"))
+    batch = make_shared_batch()
+    proto, weights, _ = driver(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
+    no_delta = compute_correction(cfg.replace(off_policy_sequence_mask_delta=None), old_logprobs=batch.old_logprobs,
+                                  rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask)
+    torch.testing.assert_close(weights, no_delta.weights, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(proto.batch["response_mask"], no_delta.mask, atol=0, rtol=0)
+    current = batch.fresh_current()
+    loss, metrics = verl_loss(actor_config, old=batch.old_logprobs, cur=current, adv=token_advantages(batch),
+                              mask=proto.batch["response_mask"], weights=weights)
+    loss.backward()
+    # naive reference: delta_i = mean_t(old - current) over valid tokens, masked when > delta and A_i < 0
+    valid = batch.response_mask.bool()
+    drift = ((batch.old_logprobs - batch.current_logprobs.detach()) * valid).sum(-1) / valid.sum(-1).clamp_min(1)
+    off = (drift > cfg.off_policy_sequence_mask_delta) & (batch.advantages < 0) & valid.any(-1)
+    assert off.any()
+    no_delta.mask = (no_delta.mask.bool() & ~off.unsqueeze(-1)).float()
+    reference = batch.fresh_current()
+    ref_loss, _ = policy_loss(cfg, current_logprobs=reference, old_logprobs=batch.old_logprobs,
+                              advantages=batch.advantages, correction=no_delta, clip_ratio=0.2, clip_ratio_c=3.0)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(current.grad, reference.grad, atol=ATOL, rtol=ATOL)
+    assert metrics["rollout_correction/off_policy_masked_frac"] == pytest.approx(
+        off.sum().item() / valid.any(-1).sum().item(), abs=ATOL)
+
+
+BYPASS_CONFIGS = {
+    # verl's own bypass switch (no pi_old pass): everything happens in the loss wrapper
+    "bypass_off_policy": dict(old_logprob_source="bypass", off_policy_sequence_mask_delta=0.02,
+                              log_rollout_offpolicy_metrics=True),
+    # bypass with rejection: the driver rejects with pi_theta at the start of the update, then
+    # hands the loss old_log_probs := rollout_log_probs
+    "bypass_rejection": dict(old_logprob_source="bypass", rollout_rejection=["seq_sum_k3"],
+                             rollout_rejection_threshold=0.05),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BYPASS_CONFIGS))
+def test_shared_batch_bypass_matches_the_core(name, actor_config, active):
+    cfg = active(CorrectionConfig(**BYPASS_CONFIGS[name]))
+    batch = make_shared_batch()
+    # the core, as a user of the core would call it (pi_old is pi_rollout; NaN pi_old is neutral)
+    current_ref = batch.fresh_current()
+    out = compute_correction(cfg, rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
+                             advantages=batch.advantages, current_logprobs=current_ref)
+    ref_loss, ref_metrics = policy_loss(cfg, current_logprobs=current_ref, advantages=batch.advantages,
+                                        correction=out, clip_ratio=0.2, clip_ratio_c=3.0)
+    ref_loss.backward()
+    if cfg.rollout_rejection is None:  # verl copied rollout_log_probs into old_log_probs; no driver hook
+        old, mask, driver_metrics = batch.rollout_logprobs, batch.response_mask, {}
+    else:  # verl's pi_old pass at the start of the update gives pi_theta's logprobs
+        proto, _, driver_metrics = driver(batch.current_logprobs.detach(), batch.rollout_logprobs, batch.response_mask)
+        old, mask = proto.batch["old_log_probs"], proto.batch["response_mask"]
+        assert torch.equal(old.nan_to_num(7.0), batch.rollout_logprobs.nan_to_num(7.0))  # the PPO anchor is pi_rollout
+        torch.testing.assert_close(mask, out.mask, atol=0, rtol=0)
+        assert out.mask.sum() < batch.response_mask.sum()  # the config really rejected something
+    current = batch.fresh_current()
+    loss, loss_metrics = verl_loss(actor_config, old=old, cur=current, adv=token_advantages(batch), mask=mask,
+                                   weights=None)
+    loss.backward()
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(current.grad, current_ref.grad, atol=ATOL, rtol=ATOL)
+    metrics = {**driver_metrics, **loss_metrics}
+    for key in OUR_LOSS_METRICS:
+        assert metrics[key] == pytest.approx(ref_metrics[key], abs=ATOL), key
+    if cfg.rollout_rejection is not None:
+        # C(r_ppo) = -(pi_theta/pi_rollout - 1) A is logged by the loss over the tokens it sees (after
+        # rejection), finite ones summed, all counted: naive reference instead of the core's pre-rejection one
+        seen = out.mask.bool()
+        finite = torch.isfinite(batch.rollout_logprobs)
+        contrib = -(torch.exp(batch.current_logprobs.detach() - batch.rollout_logprobs) - 1) * batch.advantages[:, None]
+        contrib = torch.where(seen & finite, contrib, torch.zeros(()))
+        for sign, key in ((1, "pos"), (-1, "neg")):
+            value = (contrib * (sign * batch.advantages[:, None] > 0)).sum().item() / seen.sum().item()
+            ref_metrics[f"rollout_correction/loss_contrib_{key}"] = value
+    shared = [k for k in ref_metrics if k.startswith("rollout_correction/") and k in metrics]
+    assert "rollout_correction/kl" in shared and "rollout_correction/loss_contrib_pos" in shared
+    for key in shared:
+        assert metrics[key] == pytest.approx(ref_metrics[key], abs=ATOL, rel=ATOL), key
+    # the engine's NaN / -inf reached the PPO ratio as pi_old: neutral, and counted among the loss's tokens
+    given = mask.bool()
+    bad = (given & ~torch.isfinite(batch.rollout_logprobs)).sum().item()
+    assert bad > 0 and metrics["policy/nonfinite_frac"] == pytest.approx(bad / given.sum().item(), abs=ATOL)
+
+
+# ============================================================================= fp32 lm_head hook
 
 def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(active):
     """FSDPEngine._build_module (load, before LoRA/QAT/FSDP) is wrapped; the head then returns fp32."""
@@ -437,7 +522,8 @@ def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(active):
     from rollout_parity.core.fp32_head import is_fp32_lm_head
     from rollout_parity.testing.tiny_model import build_tiny_model
 
-    assert hasattr(FSDPEngine.__dict__["_build_module"], adapter._PATCH_MARK)
+    wrapper = FSDPEngine.__dict__["_build_module"]
+    assert hasattr(wrapper, adapter._PATCH_MARK)
     path = build_tiny_model()
 
     class FakeEngine:  # what the wrapper reads of verl's engine
@@ -445,7 +531,7 @@ def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(active):
 
     def build(fp32):
         active(CorrectionConfig(fp32_lm_head=fp32))
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         return adapter._wrap_build_module(lambda self: model)(FakeEngine())
 
     try:
@@ -457,7 +543,27 @@ def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(active):
     assert not is_fp32_lm_head(without) and without.get_output_embeddings()(hidden).dtype == torch.bfloat16
 
 
-# ----------------------------------------------------------------------------- baselines (verl#6362)
+# ============================================================================= verl and TRL side by side
+
+def test_verls_trl_detection_is_off_only_while_trl_lacks_the_value_head_class():
+    trl = need("trl", extra="trl")
+    import verl.models.transformers.monkey_patch as monkey_patch
+    from verl.utils.import_utils import is_trl_available
+
+    if hasattr(trl, "AutoModelForCausalLMWithValueHead"):
+        pytest.skip(f"TRL {trl.__version__} still has the value-head class: verl's detection stays on")
+    assert is_trl_available()  # TRL is installed ...
+    assert monkey_patch.is_trl_available() is False  # ... but verl's value-head patch is told it is not
+    adapter.revert()
+    try:
+        assert monkey_patch.is_trl_available() is True  # verl's own answer: its patch would import the class
+        with pytest.raises(ImportError, match="AutoModelForCausalLMWithValueHead"):
+            from trl import AutoModelForCausalLMWithValueHead  # noqa: F401
+    finally:
+        adapter.apply()
+
+
+# ============================================================================= baselines (verl#6362)
 
 def grpo_batch(seed=0, groups=2, n=4, T=6):
     g = torch.Generator().manual_seed(seed)
@@ -496,10 +602,9 @@ def test_rejected_sequences_leave_verls_grpo_baselines(active):
     old, rollout, mask, rewards, uid = grpo_batch()
 
     def proto():
-        p = DataProto.from_dict(tensors={"old_log_probs": old.clone(), "rollout_log_probs": rollout.clone(),
-                                         "response_mask": mask.clone(), "token_level_rewards": rewards.clone()},
-                                non_tensors={"uid": np.array(uid, dtype=object)})
-        return p
+        return DataProto.from_dict(tensors={"old_log_probs": old.clone(), "rollout_log_probs": rollout.clone(),
+                                            "response_mask": mask.clone(), "token_level_rewards": rewards.clone()},
+                                   non_tensors={"uid": np.array(uid, dtype=object)})
 
     ours, _ = helper.compute_rollout_correction_and_add_to_batch(proto(), {"rollout_is": None, "rollout_rs": None})
     kept_rows = ours.batch["response_mask"].bool().any(-1)
@@ -509,7 +614,7 @@ def test_rejected_sequences_leave_verls_grpo_baselines(active):
     torch.testing.assert_close(ours.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
 
     # the leak the hook closes: verl's own path keeps the rejected rewards in the group statistics
-    original = getattr(helper.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
+    original = helper.compute_rollout_correction_and_add_to_batch.__wrapped__
     theirs, _ = original(proto(), adapter.verl_equivalent(cfg))
     theirs = compute_advantage(theirs, adv_estimator="grpo", num_repeat=4)
     torch.testing.assert_close(theirs.batch["response_mask"], ours.batch["response_mask"])
@@ -538,28 +643,33 @@ def test_a_rejected_reward_token_leaves_the_score(active):
     torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_verls_v1_driver_step_runs_our_correction_before_grpo():
-    """verl's own PPOTrainer._compute_advantage (V1 trainer), TransferQueue stood in by a dict."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    proc = subprocess.run([sys.executable, "-m", "integration_tests.support.verl_v1_driver"],
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+def _driver_step(case):
+    proc = subprocess.run([sys.executable, "-m", "integration_tests.support.verl_v1_driver", case], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT_JSON ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1].removeprefix("RESULT_JSON "))
+    return json.loads(lines[-1].removeprefix("RESULT_JSON "))
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(core_algos.__file__), "v1")),
+                    reason="verl < 0.9 has no V1 trainer (verl.trainer.ppo.v1)")
+def test_verls_v1_driver_step_runs_our_correction_before_grpo():
+    """verl's own PPOTrainer._compute_advantage (V1 trainer), its TransferQueue calls answered by a dict."""
+    result = _driver_step("decoupled")
     assert result["patched"]  # the module-level import in trainer_base sees our hook
     assert result["mask_equal"] and result["weights_max_diff"] < 1e-6
     assert result["rejected_rows"] == [1, 6]
     assert result["adv_max_diff"] < 1e-5  # GRPO over the kept siblings only
     assert result["metrics_equal"] and "rollout_correction/rejected_seq_frac" in result["metric_keys"]
+    assert result["sampler_old_used"]  # r_corr read pi_old's processed view from the TransferQueue
+    bypass = _driver_step("bypass")
+    assert bypass["mask_equal"] and bypass["rejected_rows"] and bypass["adv_max_diff"] < 1e-5
+    assert bypass["old_is_rollout"]  # the loss will see pi_rollout as old_log_probs
 
+
+# ============================================================================= packaging
 
 def test_missing_verl_is_an_import_error_naming_the_extra():
-    import subprocess
-    import sys
-
     code = ("import sys; sys.modules['verl'] = None\n"
             "try:\n    import rollout_parity.adapters.verl\nexcept ImportError as e:\n    print('MSG', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -570,12 +680,11 @@ def test_the_example_command_line_passes_verls_validation():
     """examples/verl_ppo.sh: its overrides compose, configure and pass verl's own validate_config."""
     import re
     import shlex
-    from pathlib import Path
 
     import verl.utils.config as verl_config
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
 
-    script = (Path(__file__).resolve().parents[1] / "examples" / "verl_ppo.sh").read_text()
+    script = (REPO / "examples" / "verl_ppo.sh").read_text()
     command = script[script.index("python3 -m verl.trainer.main_ppo"):].split('"$@"')[0]
     command = command.replace("$DATA", "/data/gsm8k").replace("$MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
     overrides = [tok for tok in shlex.split(re.sub(r"\\\n", " ", command))[3:]]
@@ -588,4 +697,4 @@ def test_the_example_command_line_passes_verls_validation():
         assert adapter.active_config() == CorrectionConfig.preset("tis_srs_k3")
     finally:
         adapter.set_active_config(None)
-    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "rollout_parity"
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"

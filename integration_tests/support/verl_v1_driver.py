@@ -1,13 +1,17 @@
-"""Test support: verl 0.9.1's V1 driver step ``_compute_advantage`` with our driver hook.
+"""Test support: verl's V1 driver step ``PPOTrainer._compute_advantage`` with our driver hook.
 
-verl's default trainer (``trainer.use_v1``) keeps the batch in a TransferQueue; the package
-``transfer_queue`` is not installed here, so a dict-backed stand-in with the two calls the
-method makes (``kv_batch_get``/``kv_batch_put``) is put in ``sys.modules`` before verl's
-trainer module is imported. Everything else is verl's own code: the nested-to-padded
-round trip, the correction call, GRPO advantages and the write-back. Run in its own process;
-prints one JSON line.
+verl's default trainer keeps the batch in a TransferQueue. Here its key-value calls
+(``kv_batch_get``/``kv_batch_put``) are answered by a dict, put in ``sys.modules`` as
+``transfer_queue`` before verl's trainer module is imported (in this process only, so the
+installed TransferQueue is shadowed, never touched). Everything else is verl's own code: the
+nested-to-padded round trip, the correction call, GRPO advantages and the write-back. The real
+TransferQueue runs in ``test_verl_main_ppo.py``. Run in its own process; prints one JSON line.
 
-    python -m integration_tests.support.verl_v1_driver
+    python -m integration_tests.support.verl_v1_driver decoupled|bypass
+
+``decoupled``: TIS + seq_sum_k3 with a sampler-aware pi_old in the store (as the actor's
+log-prob pass writes it: one value per position of prompt + response); ``bypass``: bypass
+with rejection, after which the store's ``old_log_probs`` must be the rollout logprobs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class _Meta:
         return len(self.keys)
 
 
-def _stub_transfer_queue(store: dict):
+def _stand_in_transfer_queue(store: dict):
     tq = types.ModuleType("transfer_queue")
     tq.KVBatchMeta = _Meta
 
@@ -50,13 +54,9 @@ def _stub_transfer_queue(store: dict):
     return tq
 
 
-def main() -> dict:
+def main(case: str) -> dict:
     store: dict = {}
-    try:
-        import transfer_queue  # noqa: F401
-        raise SystemExit("transfer_queue is installed: this stand-in would shadow it")
-    except ImportError:
-        sys.modules["transfer_queue"] = _stub_transfer_queue(store)
+    sys.modules["transfer_queue"] = _stand_in_transfer_queue(store)
 
     import torch
     from omegaconf import OmegaConf
@@ -66,17 +66,25 @@ def main() -> dict:
     from rollout_parity.adapters import verl as adapter
 
     patched = hasattr(trainer_base.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
-    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.5,
-                           rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.05)
-    adapter.set_active_config(cfg)
+    if case == "bypass":
+        cfg = CorrectionConfig(old_logprob_source="bypass", rollout_rejection=["seq_sum_k3"],
+                               rollout_rejection_threshold=0.05)
+        sampler = None
+    else:
+        cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate",
+                               rollout_importance_sampling_threshold=1.5, rollout_rejection=["seq_sum_k3"],
+                               rollout_rejection_threshold=0.05)
+        sampler = adapter.SamplerSpec(top_p=0.9)
+    adapter.set_active_config(cfg, sampler)
 
     g = torch.Generator().manual_seed(0)
-    n, groups, T = 4, 2, 6
+    n, groups, T, P = 4, 2, 6, 3
     B = n * groups
     lengths = torch.randint(3, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None] < lengths[:, None]).float()
-    old = -torch.rand(B, T, generator=g) * 2 - 0.05
-    rollout = old + torch.randn(B, T, generator=g) * 0.02
+    processed = -torch.rand(B, T, generator=g) * 2 - 0.05  # pi_old renormalised over the kept set
+    old = processed - 0.1  # verl's full-vocabulary pi_old: log S = -0.1 below it
+    rollout = processed + torch.randn(B, T, generator=g) * 0.02
     rollout[1] += 0.4
     rollout[6] -= 0.5
     scores = torch.tensor([1.0, 5.0, 0.0, 1.0, 0.0, 1.0, -3.0, 1.0])
@@ -87,8 +95,14 @@ def main() -> dict:
     def nested(t):
         return torch.nested.as_nested_tensor([t[i, :lengths[i]] for i in range(B)], layout=torch.jagged)
 
+    # the actor's pass writes one value per position of prompt + response; the response's
+    # logprobs sit at positions P-1 .. P+len-2 (verl.workers.utils.padding.response_from_nested)
+    full_sequence = torch.nested.as_nested_tensor(
+        [torch.cat([torch.full((P - 1,), 9.0), processed[i, :lengths[i]], torch.full((1,), 9.0)]) for i in range(B)],
+        layout=torch.jagged)
     store.update(response_mask=nested(mask.long()), rm_scores=nested(rewards), rollout_log_probs=nested(rollout),
-                 old_log_probs=nested(old), uid=uid)
+                 uid=uid, **{adapter.PROCESSED_FIELD: full_sequence})
+    store["old_log_probs"] = nested(processed if case == "bypass" else old)  # bypass: pi_theta at the start
     keys = [f"{uid[i]}_{i % n}_0" for i in range(B)]
     config = OmegaConf.create({
         "algorithm": {"adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,
@@ -101,26 +115,39 @@ def main() -> dict:
     trainer_base.PPOTrainer._compute_advantage(types.SimpleNamespace(config=config), _Meta(keys), metrics)
 
     def padded(name):
-        return torch.nested.to_padded_tensor(store[name], 0.0) if store[name].is_nested else store[name]
+        return torch.nested.to_padded_tensor(store[name], 0.0, output_size=(B, T)) if store[name].is_nested \
+            else store[name]
 
-    core = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask, with_metrics=True)
+    if case == "bypass":
+        core = compute_correction(cfg, rollout_logprobs=rollout, current_logprobs=processed, response_mask=mask,
+                                  with_metrics=True)
+    else:
+        core = compute_correction(cfg, old_logprobs=processed, rollout_logprobs=rollout, response_mask=mask,
+                                  with_metrics=True)
     kept = core.mask.bool().any(-1)
     expected_adv = torch.zeros(B, T)
     for i in range(B):
         if kept[i]:
             sib = torch.stack([scores[j] for j in range(B) if uid[j] == uid[i] and kept[j]])
             expected_adv[i] = (scores[i] - sib.mean()) / (sib.std() + 1e-6) * core.mask[i]
-    return {
+    result = {
         "patched": patched,
         "mask_equal": torch.equal(padded("response_mask").float(), core.mask),
-        "weights_max_diff": (padded("rollout_is_weights") - core.weights).abs().max().item(),
         "adv_max_diff": (padded("advantages") - expected_adv).abs().max().item(),
         "rejected_rows": (~kept).nonzero().flatten().tolist(),
-        "metrics_equal": all(abs(metrics[k] - v) <= 1e-6 for k, v in core.metrics.items()
-                             if k in metrics),
+        "metrics_equal": all(abs(metrics[k] - v) <= 1e-6 for k, v in core.metrics.items() if k in metrics),
         "metric_keys": sorted(metrics),
     }
+    if case == "bypass":
+        result["old_is_rollout"] = torch.equal(padded("old_log_probs") * mask, rollout * mask)
+    else:
+        result["weights_max_diff"] = (padded("rollout_is_weights") - core.weights).abs().max().item()
+        # with verl's full-vocabulary pi_old the log S = -0.1 bias would have changed weights and rejection
+        biased = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
+        result["sampler_old_used"] = result["weights_max_diff"] < 1e-6 and not torch.allclose(
+            biased.weights, core.weights, atol=1e-3)
+    return result
 
 
 if __name__ == "__main__":
-    print("RESULT_JSON " + json.dumps(main()))
+    print("RESULT_JSON " + json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "decoupled")))

@@ -1,81 +1,99 @@
-"""verl adapter: the shared correction flags inside ``python -m verl.trainer.main_ppo``.
+"""verl adapter: the shared flags inside ``python -m verl.trainer.main_ppo``, thin.
 
-Usage (after ``pip install rollout-parity[verl]``): add the shared flags of DESIGN.md as
-Hydra overrides to an existing verl command line, e.g.
-``+rollout_parity.rollout_importance_sampling_mode=token_truncate``. The adapter hooks
-into verl through its own extension points only (no fork):
+Usage (after ``pip install rollout-parity[verl]``): add the shared flags of DESIGN.md as Hydra
+overrides to an existing verl command line, e.g.
+``+rollout_parity.rollout_importance_sampling_mode=token_truncate``. verl's own policy loss
+(``actor_rollout_ref.actor.policy_loss.loss_mode``: vanilla, gspo, sapo, gpg, clip_cov, kl_cov,
+geo_mean, dro, cispo, dppo_tv, dppo_kl, or one the user registered) runs unchanged; the
+adapter only hands it our weights and masks through the two channels every verl loss already
+reads, ``rollout_is_weights`` and ``response_mask`` (STYLE.md rule 3; DESIGN.md "How an
+adapter meets its framework").
 
-* **Start-up** (main process). Importing this module wraps ``verl.utils.config.validate_config``
-  (what ``main_ppo.main`` calls before Ray starts). The module is imported there by verl's
-  ``verl.plugins`` entry point (declared by this package) or by
-  ``VERL_USE_EXTERNAL_MODULES=rollout_parity.adapters.verl``. When the config has a
-  ``rollout_parity`` block, :func:`configure_verl` validates it into a ``CorrectionConfig``
-  (a bad flag fails here, before any GPU work) and rewrites the verl config:
-  ``actor_rollout_ref.actor.policy_loss.loss_mode=rollout_parity``,
-  ``actor_rollout_ref.model.external_lib`` += this module (so every worker and the V1
-  driver import it), ``rollout.calculate_log_probs=true``, the vLLM parity recipe merged
-  into ``actor_rollout_ref.rollout.engine_kwargs.vllm``, and the validated flags as JSON
-  in ``ray_kwargs.ray_init.runtime_env.env_vars.ROLLOUT_PARITY_VERL_CONFIG`` (how they
-  reach every Ray actor: verl's ``ActorConfig`` is a closed dataclass).
-* **Policy loss** (workers): ``register_policy_loss("rollout_parity")`` at import.
-* **Driver** (decoupled mode): verl's own ``compute_rollout_correction_and_add_to_batch``
-  is wrapped. It runs in ``_compute_advantage`` *before* the advantages, so our rejected
-  tokens leave ``response_mask``; our IS weights go into the batch's ``rollout_is_weights``.
-  verl 0.9.1's outcome estimators (GRPO, RLOO) ignore the mask when they sum
-  ``token_level_rewards`` and group rows by ``uid`` (verl#6362, verl#6452), so the hook also
-  masks those rewards and gives a fully rejected row a uid of its own: rejected tokens and
-  sequences leave the group baselines too. Without our flags the original runs.
-* **fp32 lm_head** (workers): ``FSDPEngine._build_module`` is wrapped so
-  ``apply_fp32_lm_head`` runs on the loaded HF model before LoRA/QAT and FSDP wrapping.
-Every patch keeps its original, is marked, is idempotent, and :func:`uninstall` restores it.
+How it is loaded: verl imports this module in every process through the package's
+``verl.plugins`` entry point (or ``VERL_USE_EXTERNAL_MODULES=rollout_parity.adapters.verl``),
+and the run adds it to ``actor_rollout_ref.model.external_lib`` so every worker imports it
+loudly. Importing it calls :func:`apply`, which wraps these verl names (each wrapper is built
+with ``functools.wraps``, marked ``__rollout_parity_patch__``, and passes straight through
+while no rollout-parity flags are set in the process):
 
-**pi_old and the missing rollout logprobs.** verl 0.9.1's ``ppo_loss``
-(verl/workers/utils/losses.py) hands a custom loss only ``old_log_prob``, ``log_prob``,
-``advantages``, ``response_mask`` and ``rollout_is_weights``; ``rollout_log_probs`` never
-reaches it. We design around that:
+========================================================  ==============================================
+verl name (where it is looked up, too)                    what the wrapper adds
+========================================================  ==============================================
+``verl.utils.config.validate_config``                     :func:`configure_verl` first (main process)
+``rollout_corr_helper.compute_rollout_correction_and_     the correction, once per batch, on the driver:
+add_to_batch``                                            ``response_mask``, ``rollout_is_weights``
+``core_algos.get_policy_loss_fn``                         the chosen loss, wrapped: bad-input handling,
+                                                          the off-policy mask, policy-side metrics
+``workers.utils.losses.ppo_loss``                         those metrics as exact global means
+``FSDPEngine._build_module``                              ``apply_fp32_lm_head`` (``fp32_lm_head``)
+``FSDPEngineWithLMHead.forward_step``                     sampler-aware pi_old in the log-prob pass
+``models.transformers.monkey_patch.is_trl_available``     False when TRL lacks the value-head class
+``PPOTrainer._compute_advantage`` (TransferQueue          the batch's keys, so the driver hook can read
+trainers)                                                 and write fields verl does not pass it
+========================================================  ==============================================
 
-* ``old_logprob_source: recompute`` (verl "decoupled"): everything that needs the rollout
-  logprobs (IS weights, rejection, the rollout-side diagnostics) is computed once per
-  batch on the driver, where ``old_log_probs`` and ``rollout_log_probs`` sit side by side,
-  and travels to the loss through the two tensors verl does pass: ``rollout_is_weights``
-  and ``response_mask``. The loss multiplies by the weights and uses the mask; it adds
-  the policy-side metrics (``policy/*``, ``loss_contrib_pos/neg`` = C(r_ppo^train)).
-  The off-policy sequence mask needs π_θ and A, which exist only in the loss; there the
-  behaviour policy is π_old (DESIGN.md's fallback "else π_old"), so in decoupled verl it
-  guards policy drift π_old→π_θ, while the TIM part π_rollout→π_old is handled by the
-  IS weights and rejection on the driver.
-* ``old_logprob_source: bypass``: we switch on verl's own ``algorithm.rollout_correction.
-  bypass_mode`` (with ``rollout_is``/``rollout_rs`` left null), which copies
-  ``rollout_log_probs`` into ``old_log_probs``: the loss then *receives* π_rollout as
-  ``old_log_prob`` and computes rejection, the off-policy mask and the diagnostics itself
-  against the live π_θ, per micro-batch (as verl's own bypass loss does).
+Names verl imports at its own import time are wrapped where they are looked up as well
+(``v1/trainer_base``, ``main_ppo``, ``losses``, ``engine_workers``). :func:`revert` puts every
+original back. Every private name and the version are checked first (``_compat.check_framework``,
+:data:`REQUIRED_VERL_NAMES`, tested range :data:`TESTED_VERL`); a name missing at patch time is a
+:class:`FrameworkAPIError`, never a skipped patch.
 
-Refused: our flags together with verl's own ``algorithm.rollout_correction.rollout_is`` /
-``rollout_rs`` or ``loss_mode=bypass_mode`` (the mismatch would be corrected twice), a
-policy loss other than verl's default ``vanilla`` (ours is that PPO surrogate),
-``loss_agg_mode=token-sum`` (not a shared mode), and a vLLM engine kwarg contradicting
-the parity recipe. Known verl behaviour kept as is: V1 normalises ``token-mean`` by the
-rollout's ``loss_mask`` token count, which rejection does not shrink (as for verl's own
-``rollout_rs``).
+**Decoupled mode** (``old_logprob_source: recompute``, verl's default). verl calls the driver
+helper in ``_compute_advantage`` before the advantages: our hook computes ``compute_correction``
+from ``old_log_probs`` and ``rollout_log_probs`` and writes the corrected ``response_mask`` and
+the IS weights (``rollout_is_weights``). verl's outcome estimators (GRPO, RLOO) sum
+``token_level_rewards`` without the mask and group rows by ``uid`` (verl#6362, verl#6452), so the
+hook also masks those rewards and gives a fully rejected row a uid of its own: rejected tokens
+and sequences leave the group baselines. The loss then multiplies by the weights and aggregates
+over the mask, whatever ``loss_mode`` says.
 
-Math: ../shared/DESIGN.md and the core (``rollout_parity.core``); nothing is re-implemented here.
-verl's semantics we match where modes overlap are written down in docs/verl.md.
+**Bypass** (``old_logprob_source: bypass``: π_old := π_rollout, the PPO ratio is π_θ/π_rollout).
+Without rejection the adapter turns on verl's own ``algorithm.rollout_correction.bypass_mode``
+(no π_old pass; verl copies ``rollout_log_probs`` into ``old_log_probs``), and the diagnostics
+compare the live π_θ with π_rollout per micro-batch in the loss wrapper. With rejection, the
+rejection statistic must exist before the advantages, so verl's π_old pass is kept: the hook
+rejects with π_θ at the start of the update (= the recomputed logprobs) against π_rollout (the
+core's bypass semantics), keeps rejected rows out of the baselines as above, and then sets
+``old_log_probs := rollout_log_probs`` for the loss (in the batch, or in the TransferQueue).
+
+**Sampler-aware ratios** (verl#6240). When the rollout samples with ``top_k``/``top_p``, vLLM's
+processed logprobs are renormalised over the kept set while verl's π_old is a full-vocabulary
+log-softmax: r_corr would carry the log kept mass as pure bias. The actor's log-prob pass then
+also computes π_old's processed view with ``sampler_logprobs_from_hidden`` (one chunked fp32 head
+pass over the final hidden states, no (N, V) fp32 logits) into the field
+:data:`PROCESSED_FIELD`; the driver hook uses it as the π_old of r_corr. The PPO ratio keeps
+verl's full-vocabulary ``old_log_probs``.
+
+**Refused** (by name, with the reason, at start): our flags together with verl's own
+``algorithm.rollout_correction.rollout_is``/``rollout_rs`` or ``loss_mode=bypass_mode`` (the
+mismatch would be corrected twice); ``fp32_lm_head`` or sampler-aware π_old outside the FSDP
+actor, with fused kernels, or with Ulysses sequence parallelism (our hooks live in the FSDP
+engine's unfused head pass); a vLLM engine kwarg contradicting the parity recipe.
+
+Math: ../shared/DESIGN.md and ``rollout_parity.core``; nothing of verl's loss is re-implemented.
+docs/verl.md lists verl's semantics where the modes overlap.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import importlib
 import importlib.abc
 import json
 import logging
 import os
 import sys
+import types
+import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from rollout_parity.adapters._compat import FrameworkAPIError, check_framework, missing_names
 from rollout_parity.core.config import CorrectionConfig
-from rollout_parity.core.correction import CorrectionOutput, compute_correction
+from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.loss import policy_loss
 
 try:
@@ -86,50 +104,98 @@ except ImportError as exc:  # pragma: no cover - exercised without verl installe
         "rollout_parity.adapters.verl needs verl: pip install rollout-parity[verl]"
     ) from exc
 
+__all__ = [
+    "TESTED_VERL", "REQUIRED_VERL_NAMES", "PROCESSED_FIELD", "SamplerSpec",
+    "apply", "revert", "is_applied", "install", "uninstall", "is_installed",
+    "configure_verl", "correction_config_from_verl", "check_no_double_correction", "verl_equivalent",
+    "set_active_config", "active_config", "active_sampler", "driver_correction", "with_rollout_parity",
+]
+
 logger = logging.getLogger(__name__)
 
-LOSS_NAME = "rollout_parity"
+#: verl releases this adapter is tested with (the ``verl`` extra declares the same range).
+TESTED_VERL = ">=0.8.0,<0.10"
+#: Every verl name the adapter wraps or calls, checked before a run starts (``configure_verl``).
+REQUIRED_VERL_NAMES = (
+    "verl.utils.config.validate_config",
+    "verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_add_to_batch",
+    "verl.trainer.ppo.core_algos.get_policy_loss_fn",
+    "verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY",
+    "verl.workers.utils.losses.ppo_loss",
+    "verl.workers.utils.padding.response_from_nested",
+    "verl.workers.utils.padding.response_to_nested",
+    "verl.workers.engine.fsdp.transformer_impl.FSDPEngine._build_module",
+    "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.forward_step",
+    "verl.models.transformers.monkey_patch.is_trl_available",
+    "verl.utils.metric.Metric",
+    "verl.utils.metric.AggregationType",
+)
+
 CONFIG_KEY = "rollout_parity"
 ENV_CONFIG = "ROLLOUT_PARITY_VERL_CONFIG"
+ENV_SAMPLER = "ROLLOUT_PARITY_VERL_SAMPLER"
 MODULE = "rollout_parity.adapters.verl"
+#: The actor's log-prob pass writes π_old's sampler-processed logprobs under this batch field.
+PROCESSED_FIELD = "rollout_parity_old_processed_log_probs"
 _PATCH_MARK = "__rollout_parity_patch__"
+_EXTRA_KEYS = ("preset",)  # keys of the rollout_parity block beyond the shared flags
+# Diagnostics that need pi_theta or the advantages: the loss wrapper logs them, not the driver.
 _METRICS_NEED_POLICY = ("loss_contrib_pos", "loss_contrib_neg", "loss_contrib_rollout_pos",
                         "loss_contrib_rollout_neg", "off_policy_masked_frac")
 
-# ----------------------------------------------------------------------------- active config
 
-_active: dict[str, Any] = {"raw": None, "cfg": None}
+# ============================================================================= active flags
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """The rollout's token filters, as verl's ``actor_rollout_ref.rollout`` sets them."""
+
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def filters(self) -> bool:
+        """True when vLLM renormalises over a kept set (processed != full-vocabulary logprobs)."""
+        return (self.top_k is not None and self.top_k > 0) or self.top_p < 1.0 or self.min_p > 0.0
 
 
-def set_active_config(cfg: Optional[CorrectionConfig]) -> None:
-    """Make ``cfg`` the flags of this process (and of Ray actors started from it)."""
+_cache: dict[str, Any] = {}
+
+
+def set_active_config(cfg: Optional[CorrectionConfig], sampler: Optional[SamplerSpec] = None) -> None:
+    """Make ``cfg`` (and the rollout's filters) the flags of this process and of Ray actors started from it."""
     if cfg is None:
         os.environ.pop(ENV_CONFIG, None)
+        os.environ.pop(ENV_SAMPLER, None)
+        return
+    os.environ[ENV_CONFIG] = json.dumps(cfg.to_dict(), sort_keys=True)
+    if sampler is not None and sampler.filters:
+        os.environ[ENV_SAMPLER] = json.dumps(sampler.__dict__, sort_keys=True)
     else:
-        os.environ[ENV_CONFIG] = json.dumps(cfg.to_dict(), sort_keys=True)
+        os.environ.pop(ENV_SAMPLER, None)
+
+
+def _from_env(name: str, parse: Callable[[dict], Any]) -> Any:
+    raw = os.environ.get(name)
+    if name not in _cache or _cache[name][0] != raw:
+        _cache[name] = (raw, None if not raw else parse(json.loads(raw)))
+    return _cache[name][1]
 
 
 def active_config() -> Optional[CorrectionConfig]:
-    """The flags set by :func:`configure_verl`, read from ``ROLLOUT_PARITY_VERL_CONFIG``."""
-    raw = os.environ.get(ENV_CONFIG)
-    if raw != _active["raw"]:
-        _active["cfg"] = None if not raw else CorrectionConfig.from_dict(json.loads(raw))
-        _active["raw"] = raw
-    return _active["cfg"]
+    """The flags set by :func:`configure_verl` (``ROLLOUT_PARITY_VERL_CONFIG``), or None."""
+    return _from_env(ENV_CONFIG, CorrectionConfig.from_dict)
 
 
-def _require_config() -> CorrectionConfig:
-    cfg = active_config()
-    if cfg is None:
-        raise RuntimeError(
-            f"policy loss {LOSS_NAME!r} selected but no rollout-parity flags are set in this process "
-            f"(env {ENV_CONFIG} is empty): add +{CONFIG_KEY}.<flag>=... overrides and load "
-            f"{MODULE} in the main process (verl.plugins entry point or VERL_USE_EXTERNAL_MODULES={MODULE})"
-        )
-    return cfg
+def active_sampler() -> Optional[SamplerSpec]:
+    """The rollout's token filters when they make processed and full logprobs differ, else None."""
+    if active_config() is None:
+        return None
+    return _from_env(ENV_SAMPLER, lambda d: SamplerSpec(**d))
 
 
-# ----------------------------------------------------------------------------- config
+# ============================================================================= config (main process)
 
 def correction_config_from_verl(config: Any) -> Optional[CorrectionConfig]:
     """The ``rollout_parity`` block of a verl config as a ``CorrectionConfig`` (None if absent)."""
@@ -145,10 +211,22 @@ def correction_config_from_verl(config: Any) -> Optional[CorrectionConfig]:
     return CorrectionConfig.from_dict(data)
 
 
+def _select(config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(config, DictConfig):
+        return OmegaConf.select(config, key, default=default)
+    node = config
+    for part in key.split("."):
+        if not hasattr(node, "get"):
+            return default
+        node = node.get(part)
+        if node is None:
+            return default
+    return node
+
+
 def check_no_double_correction(config: Any, cfg: CorrectionConfig) -> None:
-    """Raise when verl's own rollout correction would act next to ours."""
-    rc = OmegaConf.select(config, "algorithm.rollout_correction", default=None) if isinstance(config, DictConfig) \
-        else (config.get("algorithm", {}) or {}).get("rollout_correction")
+    """Raise when verl's own rollout correction would act next to ours (DESIGN.md, "Bad input")."""
+    rc = _select(config, "algorithm.rollout_correction", None)
     if rc is not None:
         own = {k: rc.get(k) for k in ("rollout_is", "rollout_rs") if rc.get(k) is not None}
         if own:
@@ -163,91 +241,100 @@ def check_no_double_correction(config: Any, cfg: CorrectionConfig) -> None:
                 f"{CONFIG_KEY}.old_logprob_source={cfg.old_logprob_source!r}; "
                 f"set {CONFIG_KEY}.old_logprob_source=bypass instead"
             )
-    loss_mode = _select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
-    if loss_mode == "bypass_mode":
+    if _select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla") == "bypass_mode":
         raise ValueError(
             "double correction: actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode is verl's own "
-            f"rollout-correction loss; with {CONFIG_KEY} use old_logprob_source=bypass"
-        )
-    if loss_mode not in ("vanilla", LOSS_NAME):
-        raise ValueError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r}: {CONFIG_KEY} replaces verl's "
-            f"'vanilla' PPO loss with {LOSS_NAME!r} (the same surrogate, corrected); another loss cannot be combined"
+            f"rollout-correction loss; with {CONFIG_KEY} keep your loss_mode and use old_logprob_source=bypass"
         )
 
 
-def _select(config: Any, key: str, default: Any = None) -> Any:
-    if isinstance(config, DictConfig):
-        return OmegaConf.select(config, key, default=default)
-    node = config
-    for part in key.split("."):
-        if not hasattr(node, "get"):
-            return default
-        node = node.get(part)
-        if node is None:
-            return default
-    return node
+def sampler_from_verl(config: Any) -> SamplerSpec:
+    """The token filters of ``actor_rollout_ref.rollout`` (verl has no min_p; -1 and 0 mean off)."""
+    top_k = _select(config, "actor_rollout_ref.rollout.top_k", -1)
+    top_p = _select(config, "actor_rollout_ref.rollout.top_p", 1.0)
+    top_k = None if top_k is None or int(top_k) <= 0 else int(top_k)
+    return SamplerSpec(top_k=top_k, top_p=1.0 if top_p is None else float(top_p), min_p=0.0)
 
 
-def _vllm_kwargs(cfg: CorrectionConfig) -> dict[str, Any]:
+def _needs_rollout_logprobs(cfg: CorrectionConfig) -> bool:
+    return (cfg.rollout_importance_sampling_mode is not None or cfg.rollout_rejection is not None
+            or cfg.log_rollout_offpolicy_metrics)
+
+
+def _refuse_outside_fsdp_head_pass(config: Any, what: str) -> None:
+    """Our trainer-side hooks live in verl's FSDP engine, in its unfused, unsplit head pass."""
+    strategy = _select(config, "actor_rollout_ref.actor.strategy", None)
+    if strategy not in (None, "fsdp", "fsdp2"):
+        raise ValueError(f"{what}: supported with the FSDP actor (strategy fsdp/fsdp2), got strategy={strategy!r}")
+    if _select(config, "actor_rollout_ref.model.use_fused_kernels", False):
+        raise ValueError(f"{what}: actor_rollout_ref.model.use_fused_kernels=true computes logprobs inside a fused "
+                         "kernel that never calls the lm_head module; set it to false")
+    sp = _select(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1) or 1
+    if int(sp) > 1:
+        raise ValueError(f"{what}: Ulysses sequence parallelism (ulysses_sequence_parallel_size={sp}) splits the "
+                         "hidden states across ranks; not supported")
+
+
+def _merge_vllm_recipe(config: DictConfig, cfg: CorrectionConfig) -> None:
     from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
-    return vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head)
+    recipe = vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head)
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.get("engine_kwargs", None) is None:
+        rollout.engine_kwargs = {}
+    if rollout.engine_kwargs.get("vllm", None) is None:
+        rollout.engine_kwargs.vllm = {}
+    vllm_kwargs = rollout.engine_kwargs.vllm
+    for key, value in recipe.items():
+        current = vllm_kwargs.get(key, None)
+        if isinstance(value, dict):
+            merged = dict(OmegaConf.to_container(current, resolve=True)) if current is not None else {}
+            for k, v in value.items():
+                if k in merged and merged[k] != v:
+                    raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}.{k}={merged[k]!r} "
+                                     f"contradicts the parity recipe ({k}={v!r})")
+                merged[k] = v
+            vllm_kwargs[key] = merged
+        else:
+            if current is not None and current != value:
+                raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}={current!r} contradicts the "
+                                 f"parity recipe ({key}={value!r})")
+            vllm_kwargs[key] = value
+    # verl also passes these two from its own rollout fields; keep both views equal.
+    for key in ("enable_prefix_caching", "logprobs_mode"):
+        if key in recipe and key in rollout:
+            rollout[key] = recipe[key]
 
 
 def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
     """Validate the ``rollout_parity`` block and rewrite ``config`` in place for it.
 
-    Returns the ``CorrectionConfig`` (None, config untouched, when there is no block).
-    Raises ``ValueError`` naming the flag on a bad value, on double correction, and on a
-    vLLM engine kwarg that contradicts the parity recipe.
+    Returns the ``CorrectionConfig`` (None, config untouched, when there is no block). Raises
+    ``ValueError`` naming the flag on a bad value, on double correction, on what cannot be
+    expressed (module docstring, "Refused"), and ``FrameworkAPIError`` when the installed verl
+    lacks a name the adapter needs. Every change to verl's config is printed as ``key: old -> new``.
     """
     cfg = correction_config_from_verl(config)
     if cfg is None:
         return None
+    check_framework("verl", distributions=("verl",), tested=TESTED_VERL, extra="verl",
+                    required=REQUIRED_VERL_NAMES)
     check_no_double_correction(config, cfg)
-    strategy = _select(config, "actor_rollout_ref.actor.strategy", None)
-    if cfg.fp32_lm_head and strategy not in (None, "fsdp", "fsdp2"):
-        raise ValueError(f"fp32_lm_head: supported with the FSDP actor (fsdp/fsdp2), got strategy={strategy!r}")
-    loss_agg_mode = _select(config, "actor_rollout_ref.actor.loss_agg_mode", "token-mean")
-    if loss_agg_mode == "token-sum":
-        raise ValueError("actor_rollout_ref.actor.loss_agg_mode=token-sum is not a shared aggregation mode")
+    sampler = sampler_from_verl(config)
+    sampler_aware = sampler.filters and _needs_rollout_logprobs(cfg)
+    if cfg.fp32_lm_head:
+        _refuse_outside_fsdp_head_pass(config, "fp32_lm_head")
+    if sampler_aware:
+        _refuse_outside_fsdp_head_pass(config, f"sampler-aware pi_old (rollout top_k={sampler.top_k}, "
+                                               f"top_p={sampler.top_p})")
+    # Bypass with rejection keeps verl's pi_old pass: the rejection statistic (and with it the
+    # baselines) needs the trainer's logprobs before the advantages (module docstring).
+    verl_bypass = cfg.old_logprob_source == "bypass" and cfg.rollout_rejection is None
 
-    recipe = _vllm_kwargs(cfg)
-    rollout = config.actor_rollout_ref.rollout
+    before = OmegaConf.to_container(config, resolve=False)
     with open_dict(config):
-        engine_kwargs = rollout.get("engine_kwargs", None)
-        if engine_kwargs is None:
-            rollout.engine_kwargs = {}
-        if rollout.engine_kwargs.get("vllm", None) is None:
-            rollout.engine_kwargs.vllm = {}
-        vllm_kwargs = rollout.engine_kwargs.vllm
-        for key, value in recipe.items():
-            current = vllm_kwargs.get(key, None)
-            if isinstance(value, dict):
-                merged = dict(OmegaConf.to_container(current, resolve=True)) if current is not None else {}
-                for k, v in value.items():
-                    if k in merged and merged[k] != v:
-                        raise ValueError(
-                            f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}.{k}={merged[k]!r} contradicts "
-                            f"the parity recipe ({k}={v!r})"
-                        )
-                    merged[k] = v
-                vllm_kwargs[key] = merged
-            else:
-                if current is not None and current != value:
-                    raise ValueError(
-                        f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}={current!r} contradicts the parity "
-                        f"recipe ({key}={value!r})"
-                    )
-                vllm_kwargs[key] = value
-        # verl also passes these two from its own rollout fields; keep both views equal.
-        for key in ("enable_prefix_caching", "logprobs_mode"):
-            if key in recipe and key in rollout:
-                rollout[key] = recipe[key]
-        rollout.calculate_log_probs = True
-
-        config.actor_rollout_ref.actor.policy_loss.loss_mode = LOSS_NAME
+        _merge_vllm_recipe(config, cfg)
+        config.actor_rollout_ref.rollout.calculate_log_probs = True
         model = config.actor_rollout_ref.model
         libs = model.get("external_lib", None)
         if libs is None:
@@ -256,10 +343,11 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
             names = [libs] if isinstance(libs, str) else list(libs)
             if MODULE not in names:
                 model.external_lib = names + [MODULE]
-
-        if cfg.old_logprob_source == "bypass":
-            config.algorithm.rollout_correction.bypass_mode = True
-
+        if config.get("algorithm", None) is None:
+            config.algorithm = {}
+        if config.algorithm.get("rollout_correction", None) is None:
+            config.algorithm.rollout_correction = {"rollout_is": None, "rollout_rs": None}
+        config.algorithm.rollout_correction.bypass_mode = verl_bypass
         payload = json.dumps(cfg.to_dict(), sort_keys=True)
         if config.get("ray_kwargs", None) is None:
             config.ray_kwargs = {}
@@ -271,16 +359,32 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         if ray_init.runtime_env.get("env_vars", None) is None:
             ray_init.runtime_env.env_vars = {}
         ray_init.runtime_env.env_vars[ENV_CONFIG] = payload
+        if sampler_aware:
+            ray_init.runtime_env.env_vars[ENV_SAMPLER] = json.dumps(sampler.__dict__, sort_keys=True)
         config[CONFIG_KEY] = cfg.to_dict()
-    set_active_config(cfg)
-    # One visible line at start: a silently ignored +rollout_parity block would be the worst failure.
-    print(f"[rollout-parity] verl configured: loss_mode={LOSS_NAME}, flags={payload}", flush=True)
+    set_active_config(cfg, sampler if sampler_aware else None)
+    changes = _changed_keys(before, OmegaConf.to_container(config, resolve=False))
+    # One visible line at start: verl logs a plugin that fails to import only at DEBUG, so a
+    # missing line means the adapter did not run (STYLE.md rule 11).
+    print(f"[rollout-parity] verl configured: loss_mode={_select(config, 'actor_rollout_ref.actor.policy_loss.loss_mode', 'vanilla')} "
+          f"(unchanged), flags={payload}"
+          + (f", sampler-aware pi_old for top_k={sampler.top_k} top_p={sampler.top_p}" if sampler_aware else ""),
+          flush=True)
+    for line in changes:
+        logger.info("rollout-parity: %s", line)
     if cfg.off_policy_sequence_mask_delta is not None and cfg.old_logprob_source == "recompute":
-        logger.warning(
-            "off_policy_sequence_mask_delta in verl decoupled mode: the loss does not see rollout logprobs, "
-            "so the behaviour policy of the off-policy mask is pi_old (DESIGN.md fallback)"
-        )
+        logger.warning("off_policy_sequence_mask_delta in verl decoupled mode: the loss does not see rollout "
+                       "logprobs, so the behaviour policy of the off-policy mask is pi_old (DESIGN.md fallback)")
     return cfg
+
+
+def _changed_keys(before: Any, after: Any, prefix: str = "") -> list[str]:
+    if isinstance(before, dict) and isinstance(after, dict):
+        out = []
+        for key in sorted(set(before) | set(after), key=str):
+            out += _changed_keys(before.get(key), after.get(key), f"{prefix}{key}.")
+        return out
+    return [] if before == after else [f"{prefix.rstrip('.')}: {before!r} -> {after!r}"]
 
 
 def verl_equivalent(cfg: CorrectionConfig) -> dict[str, Any]:
@@ -318,24 +422,61 @@ def verl_equivalent(cfg: CorrectionConfig) -> dict[str, Any]:
             specs.append(f"{rule.lower}_{rule.upper}" if rule.estimator == "k1" else f"{rule.upper}")
         out.update(rollout_rs=",".join(cfg.rollout_rejection), rollout_rs_threshold=",".join(specs))
     if cfg.off_policy_sequence_mask_delta is not None:
-        raise ValueError("off_policy_sequence_mask_delta: verl 0.9.1 has no off-policy sequence mask")
+        raise ValueError("off_policy_sequence_mask_delta: verl's own rollout correction has no off-policy sequence mask")
     return out
 
 
-# ----------------------------------------------------------------------------- policy loss
+def _require_config(where: str) -> CorrectionConfig:
+    cfg = active_config()
+    if cfg is None:  # pragma: no cover - the wrappers pass through without flags
+        raise RuntimeError(f"{where}: no rollout-parity flags in this process (env {ENV_CONFIG} is empty)")
+    return cfg
 
-def _global_counts(config: Any) -> tuple[Optional[float], Optional[float], Optional[float]]:
-    """verl's global normalisers as the core's: ``N_tok``, ``N_seq`` per rank, loss scale."""
-    info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
-    dp = float(info.get("dp_size") or 1)
-    tokens = info.get("batch_num_tokens")
-    seqs = info.get("global_batch_size")
-    # verl: sum / N_global * dp_size (DDP averages gradients over ranks); the core: sum / N.
-    n_tok = None if tokens is None else float(tokens) / dp
-    n_seq = None if seqs is None else float(seqs) / dp
-    if n_tok is None and dp > 1:
-        raise ValueError("verl global_batch_info has dp_size > 1 but no batch_num_tokens")
-    return n_tok, n_seq, info.get("loss_scale_factor")
+
+# ============================================================================= the loss wrapper (workers)
+
+#: The loss wrapper leaves its metric sums here for the ``ppo_loss`` wrapper of the same micro-batch.
+_loss_sums: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("rollout_parity_loss_sums", default=None)
+
+
+def _sanitize_for_loss(old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor):
+    """DESIGN.md's bad-input rules on what the loss reads; returns ``(old, current, mask, nonfinite)``.
+
+    π_old (the recomputed, or under bypass the rollout logprobs): a NaN or +inf is neutral
+    (π_old := π_θ, ratio 1, the token still carries its policy gradient); −inf is maximal
+    mismatch (the log ratio at its +20 bound). π_θ: a non-finite value on a valid token cannot
+    be trained on, so that token leaves the mask (zero contribution, zero gradient); on padding
+    it is zeroed. Each valid token with a non-finite input is counted once in ``nonfinite``.
+    """
+    valid = mask.bool()
+    finite_cur = torch.isfinite(current)
+    cur = torch.where(finite_cur, current, torch.zeros((), dtype=current.dtype, device=current.device))
+    anchor = cur.detach().to(old.dtype)
+    neutral = torch.isnan(old) | torch.isposinf(old)
+    maximal = torch.isneginf(old)
+    old = torch.where(neutral, anchor, torch.where(maximal, anchor - 20.0, old))
+    nonfinite = valid & (neutral | maximal | ~finite_cur)
+    kept = valid & finite_cur
+    out_mask = kept if mask.dtype == torch.bool else kept.to(mask.dtype)
+    return old, cur, out_mask, nonfinite
+
+
+def _loss_side_correction(cfg: CorrectionConfig, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor,
+                          advantages: torch.Tensor, bypass_in_loss: bool):
+    """The part of the correction that needs π_θ or A: the off-policy mask and C(r) (paper eq. 5).
+
+    The behaviour policy the loss can see is ``old`` (π_old in decoupled mode, DESIGN.md's
+    fallback; π_rollout under bypass). Under verl's own bypass (no rejection) the diagnostics of
+    π_θ against π_rollout are computed here too, per micro-batch.
+    """
+    if bypass_in_loss:
+        side_cfg = cfg.replace(rollout_rejection=None, rollout_rejection_threshold=None)
+        return compute_correction(side_cfg, rollout_logprobs=old, response_mask=mask, advantages=advantages,
+                                  current_logprobs=current.detach(), with_metrics=cfg.wants_metrics)
+    side_cfg = cfg.replace(rollout_importance_sampling_mode=None, rollout_rejection=None,
+                           rollout_rejection_threshold=None, old_logprob_source="recompute")
+    return compute_correction(side_cfg, old_logprobs=old, rollout_logprobs=old, response_mask=mask,
+                              advantages=advantages, current_logprobs=current.detach(), with_metrics=cfg.wants_metrics)
 
 
 def _cfg_get(config: Any, key: str, default: Any) -> Any:
@@ -345,103 +486,272 @@ def _cfg_get(config: Any, key: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def rollout_parity_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl ``PolicyLossFn`` (verl/trainer/ppo/core_algos.py signature) backed by the core.
+def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
+    """Wrap a verl ``PolicyLossFn`` (``core_algos`` signature) with the loss side of the flags.
 
-    Decoupled: ``rollout_is_weights`` and ``response_mask`` already carry the driver's
-    correction. Bypass: ``old_log_prob`` is π_rollout (verl copied it), the correction is
-    computed here against the live π_θ. See the module docstring.
+    The wrapped loss runs unchanged on: π_old and π_θ made finite by :func:`_sanitize_for_loss`,
+    ``response_mask`` narrowed by the off-policy sequence mask (and by non-finite π_θ), and
+    verl's ``rollout_is_weights`` (our driver's weights) as given. Adds to its metrics the
+    policy-side ones (``policy/pg_clipfrac``, ``policy/ppo_kl``, ``policy/pg_clipfrac_lower`` of
+    the token ratio π_θ/π_old under verl's clip_ratio_low/high/c, ``rollout_correction/
+    loss_contrib_pos/neg``, ``off_policy_masked_frac``, and ``policy/nonfinite_frac``, the valid
+    tokens whose π_old or π_θ was NaN/±inf) as micro-batch means;
+    the ``ppo_loss`` wrapper turns them into exact global means.
     """
-    cfg = _require_config()
-    if loss_agg_mode == "token-sum":
-        raise ValueError("loss_agg_mode=token-sum is not a shared aggregation mode")
-    n_tok, n_seq, scale = _global_counts(config)
-    clip_ratio = float(_cfg_get(config, "clip_ratio", 0.2))
-    loss_kwargs = dict(
-        clip_ratio=clip_ratio,
-        clip_ratio_low=_cfg_get(config, "clip_ratio_low", None),
-        clip_ratio_high=_cfg_get(config, "clip_ratio_high", None),
-        clip_ratio_c=float(_cfg_get(config, "clip_ratio_c", 3.0)),
-        loss_agg_mode=loss_agg_mode,
-        global_num_tokens=n_tok,
-        global_num_seqs=n_seq,
-        loss_scale_factor=scale,
-    )
-    current = log_prob.detach()
-    if cfg.old_logprob_source == "bypass":
-        correction = compute_correction(
-            cfg, old_logprobs=None, rollout_logprobs=old_log_prob, response_mask=response_mask,
-            advantages=advantages, current_logprobs=current,
-        )
-        loss, metrics = policy_loss(cfg, current_logprobs=log_prob, old_logprobs=old_log_prob,
-                                    advantages=advantages, correction=correction, **loss_kwargs)
+    existing = getattr(loss_fn, "__rollout_parity_loss__", None)
+    if existing is not None:
+        return loss_fn
+
+    @functools.wraps(loss_fn)
+    def policy_loss_with_rollout_parity(old_log_prob, log_prob, advantages, response_mask,
+                                        loss_agg_mode: str = "token-mean", config: Any = None,
+                                        rollout_is_weights: Optional[torch.Tensor] = None):
+        cfg = active_config()
+        if cfg is None:
+            return loss_fn(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+                           response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
+                           rollout_is_weights=rollout_is_weights)
+        from rollout_parity.core.ratios import check_shapes
+
+        check_shapes("response_mask", response_mask, old_log_prob=old_log_prob, log_prob=log_prob,
+                     advantages=advantages if advantages.dim() == 2 else None, rollout_is_weights=rollout_is_weights)
+        old, cur, mask, nonfinite = _sanitize_for_loss(old_log_prob, log_prob, response_mask)
+        if advantages.dim() == 2:  # padding's advantage never matters, but NaN * 0 would reach verl's sums
+            advantages = torch.where(response_mask.bool(), advantages, torch.zeros_like(advantages))
+        bypass_in_loss = cfg.old_logprob_source == "bypass" and cfg.rollout_rejection is None
+        side = None
+        if cfg.off_policy_sequence_mask_delta is not None or cfg.wants_metrics:
+            # the core applies its own non-finite rules to what the diagnostics read: hand it the raw pi_old
+            side = _loss_side_correction(cfg, old_log_prob, cur, mask, advantages, bypass_in_loss)
+            mask = side.mask
+        loss, metrics = loss_fn(old_log_prob=old, log_prob=cur, advantages=advantages, response_mask=mask,
+                                loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights)
+        metrics = dict(metrics)
+        sums, counts = _policy_metric_sums(cfg, old, cur, advantages, mask, response_mask, nonfinite, side,
+                                           config, bypass_in_loss)
+        _loss_sums.set(sums)
+        metrics.update(_local_means(sums, counts))
         return loss, metrics
 
-    weights = rollout_is_weights
-    if weights is None:
-        weights = torch.ones_like(old_log_prob, dtype=torch.float32)
-    mask = response_mask
-    loss_metrics: dict[str, float] = {}
-    # Policy-side part of the correction: the off-policy mask and C(r_ppo^train), with
-    # π_old as the only behaviour policy the loss can see (passed as "rollout").
-    policy_cfg = cfg.replace(rollout_importance_sampling_mode=None, rollout_rejection=None,
-                             rollout_rejection_threshold=None)
-    wants = cfg.wants_metrics
-    if cfg.off_policy_sequence_mask_delta is not None or wants:
-        side = compute_correction(policy_cfg, old_logprobs=old_log_prob, rollout_logprobs=old_log_prob,
-                                  response_mask=response_mask, advantages=advantages, current_logprobs=current,
-                                  with_metrics=wants)
-        mask = side.mask
-        keep = ("loss_contrib_pos", "loss_contrib_neg", "off_policy_masked_frac")
-        loss_metrics = {k: v for k, v in side.metrics.items() if k.split("/", 1)[-1] in keep}
-    correction = CorrectionOutput(weights=weights.detach(), mask=mask, metrics=loss_metrics,
-                                  old_logprobs=old_log_prob)
-    return policy_loss(cfg, current_logprobs=log_prob, old_logprobs=old_log_prob, advantages=advantages,
-                       correction=correction, **loss_kwargs)
+    policy_loss_with_rollout_parity.__rollout_parity_loss__ = name
+    setattr(policy_loss_with_rollout_parity, _PATCH_MARK, True)
+    return policy_loss_with_rollout_parity
 
 
-# ----------------------------------------------------------------------------- driver hook
+def _policy_metric_sums(cfg, old, cur, advantages, mask, valid_mask, nonfinite, side, config, bypass_in_loss):
+    """Sums behind the loss-side metrics, ``{name: (sum, kind)}``, and the local counts.
+
+    ``kind`` is ``token`` (a sum over kept tokens), ``token_valid`` (over valid tokens), ``seq``
+    (over sequences) or ``mean``; counts are ``(kept tokens, valid tokens, valid sequences)``.
+
+    ``mean`` entries are micro-batch means of nonlinear diagnostics (bypass in the loss only).
+    """
+    kept = mask.to(torch.float32)
+    n_tok = float(kept.sum())
+    n_valid_tok = float(valid_mask.to(torch.float32).sum())
+    n_seq = float((valid_mask.to(torch.float32).sum(-1) > 0).sum())
+    clip = float(_cfg_get(config, "clip_ratio", 0.2))
+    with torch.no_grad():
+        _, pm = policy_loss(CorrectionConfig(), current_logprobs=cur.detach(), old_logprobs=old,
+                            advantages=advantages, response_mask=mask, clip_ratio=clip,
+                            clip_ratio_low=_cfg_get(config, "clip_ratio_low", None),
+                            clip_ratio_high=_cfg_get(config, "clip_ratio_high", None),
+                            clip_ratio_c=float(_cfg_get(config, "clip_ratio_c", 3.0)))
+    sums: dict[str, tuple[float, str]] = {k: (v * n_tok, "token") for k, v in pm.items()}
+    sums["policy/nonfinite_frac"] = (float(nonfinite.sum()), "token_valid")
+    if side is not None:
+        metrics = side.metrics
+        for key in ("loss_contrib_pos", "loss_contrib_neg"):
+            name = f"rollout_correction/{key}"
+            if name in metrics:  # Σ C / (valid tokens it saw)
+                sums[name] = (metrics[name] * n_tok, "token")
+        sums["rollout_correction/off_policy_masked_frac"] = (float(side.off_policy_masked.sum()), "seq")
+        if bypass_in_loss:
+            for name, value in metrics.items():
+                if name not in sums and not name.endswith(("nonfinite_frac", "off_policy_masked_frac")):
+                    sums[name] = (value, "mean")
+    return sums, (n_tok, n_valid_tok, n_seq)
+
+
+def _local_means(sums: dict, counts: tuple[float, float, float]) -> dict[str, float]:
+    n_tok, n_valid_tok, n_seq = counts
+    out = {}
+    for name, (value, kind) in sums.items():
+        denom = {"token": n_tok, "token_valid": n_valid_tok, "seq": n_seq, "mean": 1.0}[kind]
+        out[name] = value / max(denom, 1.0) if kind != "mean" else value
+    return out
+
+
+def _global_means(sums: dict, global_batch_info: dict) -> dict[str, Any]:
+    """verl ``Metric`` objects whose aggregation gives the global mean over the mini-batch.
+
+    verl sums a ``SUM`` metric over micro-batches and averages it over data-parallel ranks
+    (``Metric.aggregate_dp``), so a micro-batch contributes ``local_sum / N_global * dp_size``,
+    exactly as verl scales its own ``pg_loss``. The normalisers are the ones verl's
+    ``ppo_loss`` put in ``config.global_batch_info``: ``batch_num_tokens`` (the rollout's
+    loss-mask tokens of the mini-batch, before rejection) and ``global_batch_size``.
+    """
+    from verl.utils.metric import AggregationType, Metric
+
+    info = dict(global_batch_info or {})
+    dp = float(info.get("dp_size") or 1)
+    n_tokens, n_seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
+    out: dict[str, Any] = {}
+    for name, (value, kind) in sums.items():
+        if kind == "mean":
+            continue
+        denom = n_tokens if kind in ("token", "token_valid") else n_seqs
+        if denom is None:
+            continue  # no global normaliser: the micro-batch mean stays
+        denom = float(denom.item() if torch.is_tensor(denom) else denom)
+        out[name] = Metric(aggregation=AggregationType.SUM, value=value / max(denom, 1.0) * dp)
+    return out
+
+
+def _non_tensor(data: Any, key: str, default: Any) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def _wrap_get_policy_loss_fn(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_policy_loss_fn(name):
+        loss_fn = original(name)
+        if active_config() is None:
+            return loss_fn
+        return _wrapped_loss(loss_fn, name)
+
+    return get_policy_loss_fn
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapped_loss(loss_fn: Callable, name: str) -> Callable:
+    return with_rollout_parity(loss_fn, name)
+
+
+def _wrap_ppo_loss(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def ppo_loss(config, model_output, data, dp_group=None):
+        token = _loss_sums.set(None)
+        try:
+            loss, metrics = original(config, model_output, data, dp_group)
+            sums = _loss_sums.get()
+        finally:
+            _loss_sums.reset(token)
+        if sums is not None:
+            metrics.update(_global_means(sums, getattr(config, "global_batch_info", None)))
+        return loss, metrics
+
+    return ppo_loss
+
+
+# ============================================================================= the driver hook
+
+#: The TransferQueue batch being processed by ``_compute_advantage`` (TQ trainers only).
+_current_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("rollout_parity_batch", default=None)
+
+
+def _wrap_compute_advantage(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _compute_advantage(self, batch, metrics):
+        token = _current_batch.set(batch)
+        try:
+            return original(self, batch, metrics)
+        finally:
+            _current_batch.reset(token)
+
+    return _compute_advantage
+
+
+def _processed_old_log_probs(batch: Any, like: torch.Tensor) -> torch.Tensor:
+    """π_old's sampler-processed view, written by the actor's log-prob pass (:data:`PROCESSED_FIELD`)."""
+    tensors = batch.batch
+    if PROCESSED_FIELD in tensors.keys():  # a trainer that hands the worker output on in the batch itself
+        value = tensors[PROCESSED_FIELD]
+        if tuple(value.shape) != tuple(like.shape):
+            raise ValueError(f"{PROCESSED_FIELD} has shape {tuple(value.shape)} but old_log_probs has shape "
+                             f"{tuple(like.shape)}: sampler-aware pi_old supports verl's TransferQueue trainers")
+        return value
+    meta = _current_batch.get()
+    if meta is None:
+        raise RuntimeError(
+            f"sampler-aware pi_old: {PROCESSED_FIELD} is not in the batch and no TransferQueue batch is in "
+            "flight; the actor's log-prob pass did not run rollout-parity's hook (is "
+            f"{MODULE} in actor_rollout_ref.model.external_lib?)")
+    import transfer_queue as tq
+    from verl.workers.utils.padding import response_from_nested
+
+    data = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                           select_fields=[PROCESSED_FIELD, "response_mask"])
+    nested = response_from_nested(data[PROCESSED_FIELD], data["response_mask"])
+    return torch.nested.to_padded_tensor(nested, 0.0, output_size=tuple(like.shape)).to(like.dtype)
+
+
+def _write_old_log_probs(batch: Any, old: torch.Tensor) -> None:
+    """Bypass with rejection: ``old_log_probs := rollout_log_probs`` for the loss (module docstring)."""
+    batch.batch["old_log_probs"] = old
+    meta = _current_batch.get()
+    if meta is None:
+        return  # legacy trainer: the batch itself travels on to the actor
+    import transfer_queue as tq
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import response_to_nested
+
+    mask = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=["response_mask"])
+    nested = response_to_nested(old, mask["response_mask"])
+    tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
+                    fields=TensorDict({"old_log_probs": nested}, batch_size=len(meta.keys)))
+
 
 def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any, dict[str, float]]:
-    """Our correction of one batch on the driver (decoupled mode), verl's calling convention.
+    """Our correction of one batch on the driver, with verl's helper's calling convention.
 
     ``batch`` is a ``DataProto`` with ``old_log_probs``, ``rollout_log_probs`` and
-    ``response_mask``. Writes the corrected ``response_mask`` and, when an IS mode is set,
-    ``rollout_is_weights``; returns ``(batch, metrics)``.
+    ``response_mask``. Writes the corrected ``response_mask``, ``rollout_is_weights`` when an IS
+    mode is set, keeps what rejection removed out of the GRPO/RLOO baselines, and under bypass
+    with rejection sets ``old_log_probs := rollout_log_probs``. Returns ``(batch, metrics)``.
     """
-    cfg = _require_config()
+    cfg = _require_config("driver_correction")
     if rollout_corr_config is not None:
         check_no_double_correction({"algorithm": {"rollout_correction": rollout_corr_config}}, cfg)
     tensors = batch.batch
     response_mask = tensors["response_mask"]
+    old = tensors["old_log_probs"]
+    rollout = tensors["rollout_log_probs"]
+    trainer_old = _processed_old_log_probs(batch, old) if active_sampler() is not None else old
     driver_cfg = cfg.replace(off_policy_sequence_mask_delta=None)
     with torch.no_grad():
-        out = compute_correction(driver_cfg, old_logprobs=tensors["old_log_probs"],
-                                 rollout_logprobs=tensors["rollout_log_probs"], response_mask=response_mask)
+        if cfg.old_logprob_source == "bypass":
+            # pi_theta at the start of the update is the recomputed pi_old: the core's bypass semantics.
+            out = compute_correction(driver_cfg, rollout_logprobs=rollout, current_logprobs=trainer_old,
+                                     response_mask=response_mask, with_metrics=cfg.wants_metrics)
+        else:
+            out = compute_correction(driver_cfg, old_logprobs=trainer_old, rollout_logprobs=rollout,
+                                     response_mask=response_mask, with_metrics=cfg.wants_metrics)
     tensors["response_mask"] = out.mask
     if cfg.rollout_importance_sampling_mode is not None:
         tensors["rollout_is_weights"] = out.weights.to(torch.float32)
     if cfg.rollout_rejection is not None:
         _keep_rejected_out_of_baselines(batch, response_mask, out.mask)
+    if cfg.old_logprob_source == "bypass":
+        _write_old_log_probs(batch, rollout)
     metrics = {k: v for k, v in out.metrics.items() if k.split("/", 1)[-1] not in _METRICS_NEED_POLICY}
+    if active_sampler() is not None:
+        valid = response_mask.to(torch.float32)
+        kept_mass = ((old.float() - trainer_old.float()) * valid).nan_to_num(0.0, 0.0, 0.0)
+        # mean log S over valid tokens: the bias a full-vocabulary pi_old would have put into log r_corr
+        metrics["rollout_correction/sampler_log_kept_mass"] = float(kept_mass.sum() / valid.sum().clamp_min(1.0))
     return batch, metrics
 
 
 def _keep_rejected_out_of_baselines(batch: Any, before: torch.Tensor, after: torch.Tensor) -> None:
     """Make verl's outcome estimators ignore what rejection removed (verl#6362, verl#6452).
 
-    verl 0.9.1's GRPO/RLOO sum ``token_level_rewards`` without the mask and group rows by
-    ``uid``, so a masked reward token, or a fully rejected sibling, still moves the baseline
-    of the accepted responses. Rewards are masked with the corrected mask, and a fully
-    rejected row gets a uid of its own (it trains nothing: its mask is all zero).
+    verl's GRPO/RLOO sum ``token_level_rewards`` without the mask and group rows by ``uid``, so
+    a masked reward token, or a fully rejected sibling, still moves the baseline of the accepted
+    responses. Rewards are masked with the corrected mask, and a fully rejected row gets a uid
+    of its own (it trains nothing: its mask is all zero).
     """
     tensors = batch.batch
     if "token_level_rewards" in tensors.keys():
@@ -465,7 +775,6 @@ def _wrap_helper(original: Callable) -> Callable:
             return original(batch, rollout_corr_config)
         return driver_correction(batch, rollout_corr_config)
 
-    setattr(compute_rollout_correction_and_add_to_batch, _PATCH_MARK, original)
     return compute_rollout_correction_and_add_to_batch
 
 
@@ -475,9 +784,10 @@ def _wrap_validate(original: Callable) -> Callable:
         configure_verl(config)
         return original(config, *args, **kwargs)
 
-    setattr(validate_config, _PATCH_MARK, original)
     return validate_config
 
+
+# ============================================================================= the actor (workers)
 
 def _wrap_build_module(original: Callable) -> Callable:
     @functools.wraps(original)
@@ -488,112 +798,333 @@ def _wrap_build_module(original: Callable) -> Callable:
             from rollout_parity.core.fp32_head import apply_fp32_lm_head
 
             apply_fp32_lm_head(module)
+            logger.info("rollout-parity: fp32 lm_head applied to the actor model before FSDP wrapping")
         return module
 
-    setattr(_build_module, _PATCH_MARK, original)
     return _build_module
 
 
-# (module, attribute, wrapper factory); a module not importable in this verl is skipped.
-_PATCH_POINTS: tuple[tuple[str, str, Callable], ...] = (
-    ("verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch", _wrap_helper),
-    ("verl.trainer.ppo.v1.trainer_base", "compute_rollout_correction_and_add_to_batch", _wrap_helper),
-    ("verl.utils.config", "validate_config", _wrap_validate),
-    ("verl.trainer.main_ppo", "validate_config", _wrap_validate),
-    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine._build_module", _wrap_build_module),
+def _output_head(module: torch.nn.Module) -> torch.nn.Module:
+    inner = getattr(module, "_fsdp_wrapped_module", module)
+    getter = getattr(inner, "get_output_embeddings", None)
+    head = getter() if getter is not None else None
+    if head is None or not hasattr(head, "weight"):
+        raise RuntimeError(f"sampler-aware pi_old: {type(inner).__name__} has no lm_head with a weight")
+    return head
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _wrap_forward_step(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        sampler = active_sampler()
+        if sampler is None or loss_function is not None or not forward_only \
+                or not _non_tensor(micro_batch, "calculate_entropy", False):
+            # Only pi_old's pass: verl's V1 trainer asks for entropy there and nowhere else
+            # (the reference pass, the critic and the update never set calculate_entropy here).
+            return original(self, micro_batch, loss_function, forward_only)
+        captured: list[torch.Tensor] = []
+        head = _output_head(self.module)
+        handle = head.register_forward_hook(lambda mod, args, out: captured.append(args[0].detach()))
+        try:
+            loss, output = original(self, micro_batch, loss_function, forward_only)
+        finally:
+            handle.remove()
+        output["model_output"][PROCESSED_FIELD] = _processed_from_hidden(self, micro_batch, captured, head, sampler)
+        return loss, output
+
+    return forward_step
+
+
+def _processed_from_hidden(engine, micro_batch, captured, head, sampler: SamplerSpec) -> torch.Tensor:
+    """π_old processed as vLLM's sampler, at every position of the packed sequences (nested)."""
+    from rollout_parity.core.sampler import sampler_logprobs_from_hidden
+
+    if len(captured) != 1:
+        raise RuntimeError(f"sampler-aware pi_old: expected one lm_head call per micro-batch, saw {len(captured)}")
+    input_ids = micro_batch["input_ids"]
+    offsets = input_ids.offsets()
+    total = int(offsets[-1])
+    hidden = captured[0]
+    if _non_tensor(micro_batch, "use_remove_padding", True):
+        hidden = hidden.reshape(-1, hidden.shape[-1])[:total]  # (1, nnz + pad, H) -> (nnz, H)
+    else:  # (bsz, max_len, H): the valid positions of each row, packed as verl packs its logits
+        lengths = offsets.diff().tolist()
+        hidden = torch.cat([hidden[i, :n] for i, n in enumerate(lengths)])
+    # verl's labels: the packed ids rolled by one (the last position's label is never used)
+    labels = torch.roll(input_ids.values(), shifts=-1, dims=0)
+    temperature = micro_batch["temperature"]
+    if torch.is_tensor(temperature):
+        if temperature.numel() > 1 and not bool((temperature == temperature.flatten()[0]).all()):
+            raise ValueError("sampler-aware pi_old: per-sample temperatures are not supported")
+        temperature = float(temperature.flatten()[0])
+    weight = _full_tensor(head.weight)
+    bias = None if getattr(head, "bias", None) is None else _full_tensor(head.bias)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):  # the fp32 head pass stays fp32
+        out = sampler_logprobs_from_hidden(hidden, weight, labels, float(temperature), sampler.top_k,
+                                           sampler.top_p, sampler.min_p, bias=bias)
+    return torch.nested.nested_tensor_from_jagged(out.processed, offsets)
+
+
+# ============================================================================= TRL side by side
+
+def _trl_has_value_head() -> bool:
+    """Whether the installed TRL still ships ``AutoModelForCausalLMWithValueHead`` (TRL < 1.16)."""
+    if "_trl_value_head" not in _cache:
+        found = False
+        for module in ("trl.experimental.ppo", "trl"):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    found = hasattr(importlib.import_module(module), "AutoModelForCausalLMWithValueHead")
+            except ImportError:
+                continue
+            if found:
+                break
+        _cache["_trl_value_head"] = found
+    return _cache["_trl_value_head"]
+
+
+def _wrap_is_trl_available(original: Callable) -> Callable:
+    """verl's ``apply_monkey_patch`` imports TRL's value-head class whenever TRL is importable.
+
+    TRL 1.16 removed the class, so with both installed building verl's FSDP actor fails. Only
+    in ``verl.models.transformers.monkey_patch`` (that one use), TRL counts as available only if
+    it still has the class; verl's patch of that class's ``state_dict`` is then moot.
+    """
+    @functools.wraps(original)
+    def is_trl_available():
+        if not original():
+            return False
+        if _trl_has_value_head():
+            return True
+        if not _cache.get("_trl_logged"):
+            _cache["_trl_logged"] = True
+            logger.warning("rollout-parity: TRL has no AutoModelForCausalLMWithValueHead; verl's TRL value-head "
+                        "patch is skipped (verl.models.transformers.monkey_patch.is_trl_available -> False)")
+        return False
+
+    return is_trl_available
+
+
+# ============================================================================= patch points
+
+@dataclass(frozen=True)
+class _PatchPoint:
+    """Where a verl name is defined (``module``) and where verl modules import it by name (``callers``)."""
+
+    module: str
+    attr: str  # "function" or "Class.method"
+    factory: Callable[[Callable], Callable]
+    callers: tuple[str, ...] = ()
+    eager: bool = False  # imported at apply(); otherwise patched when (if) verl imports it
+    optional: bool = False  # exists only in some verl versions / trainers: patched when its module imports
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+_PATCH_POINTS: tuple[_PatchPoint, ...] = (
+    _PatchPoint("verl.utils.config", "validate_config", _wrap_validate, callers=("verl.trainer.main_ppo",),
+                eager=True),
+    _PatchPoint("verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch", _wrap_helper,
+                callers=("verl.trainer.ppo.v1.trainer_base", "verl.trainer.main_ppo_sync"), eager=True),
+    _PatchPoint("verl.trainer.ppo.core_algos", "get_policy_loss_fn", _wrap_get_policy_loss_fn,
+                callers=("verl.workers.utils.losses", "verl.trainer.distillation.losses"), eager=True),
+    _PatchPoint("verl.workers.utils.losses", "ppo_loss", _wrap_ppo_loss,
+                callers=("verl.workers.engine_workers", "verl.trainer.distillation.losses")),
+    _PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine._build_module", _wrap_build_module),
+    _PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.forward_step", _wrap_forward_step),
+    _PatchPoint("verl.models.transformers.monkey_patch", "is_trl_available", _wrap_is_trl_available),
+    # the TransferQueue trainers: verl 0.9's V1 trainer, verl 0.8's main_ppo_sync
+    _PatchPoint("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage", _wrap_compute_advantage,
+                optional=True),
+    _PatchPoint("verl.trainer.main_ppo_sync", "PPOTrainer._compute_advantage", _wrap_compute_advantage,
+                optional=True),
 )
+
+# (owner, name, previous value) in the order applied; revert walks it backwards.
 _applied: list[tuple[Any, str, Any]] = []
+# original -> wrapper, so a caller module gets the very wrapper its definition got
+_wrappers: dict[int, Callable] = {}
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Re-runs ``install`` right after a skipped patch point's module is imported for real.
+def _owner_and_name(module: Any, attr: str) -> tuple[Any, str]:
+    *path, name = attr.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
 
-    verl imports its plugins from ``verl/__init__`` (the ``verl.plugins`` entry point), when
-    some patch points cannot import yet: the FSDP engine needs the device platform, which a
-    process may register only after ``import verl``. A patch that could not be applied then
-    is applied as soon as its module loads, not lost.
+
+def _current(owner: Any, name: str) -> Any:
+    return owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+
+
+def _patch_definition(point: _PatchPoint, module: Any) -> None:
+    try:
+        owner, name = _owner_and_name(module, point.attr)
+        current = _current(owner, name)
+    except AttributeError:
+        current = None
+    if current is None:
+        version = getattr(verl, "__version__", "?")
+        raise FrameworkAPIError(
+            f"rollout-parity's verl adapter needs {point.dotted}, which verl {version} does not have; "
+            f"the adapter is tested with verl {TESTED_VERL} (pip install 'rollout-parity[verl]')")
+    if getattr(current, _PATCH_MARK, False):
+        return  # ours already (idempotent)
+    if isinstance(current, types.FunctionType) and getattr(current, "__wrapped__", None) is not None:
+        # someone else's functools.wraps wrapper: stacking on it would corrupt both reverts (STYLE.md rule 7)
+        code = current.__code__  # functools.wraps copied verl's names onto it; its code tells whose it is
+        raise RuntimeError(f"{point.dotted} is already wrapped by {code.co_name} ({code.co_filename}:"
+                           f"{code.co_firstlineno}), not rollout-parity's; refusing to stack on it")
+    wrapper = point.factory(current)
+    setattr(wrapper, _PATCH_MARK, True)
+    _wrappers[id(current)] = wrapper
+    setattr(owner, name, wrapper)
+    _applied.append((owner, name, current))
+
+
+def _recorded(owner: Any, name: str) -> bool:
+    return any(o is owner and n == name for o, n, _ in _applied)
+
+
+def _patch_callers(point: _PatchPoint) -> None:
+    """Give every already-imported caller module the wrapper; remember later importers for revert."""
+    *_, name = point.attr.split(".")
+    for caller in point.callers:
+        module = sys.modules.get(caller)
+        current = None if module is None else getattr(module, name, None)
+        if current is None:
+            continue  # not imported (yet): it will import the wrapped name
+        if getattr(current, _PATCH_MARK, False):
+            if not _recorded(module, name):  # imported after apply(): bound our wrapper itself
+                _applied.append((module, name, current.__wrapped__))
+            continue
+        wrapper = _wrappers.get(id(current))
+        if wrapper is not None:  # a caller holding something other than verl's definition is left alone
+            setattr(module, name, wrapper)
+            _applied.append((module, name, current))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Applies a deferred patch point right after verl imports its module for real.
+
+    verl imports its plugins from ``verl/__init__`` (this adapter among them), before most of
+    its own modules exist; the heavy ones (the FSDP engine needs the device platform, the V1
+    trainer needs Ray and TransferQueue) are patched the moment they load, not imported here.
+    A name missing then raises ``FrameworkAPIError`` from that import.
     """
 
     def __init__(self) -> None:
-        self.pending: set[str] = set()
+        self.watch: set[str] = set()
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.pending:
+        if fullname not in self.watch:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                self.pending.discard(fullname)
                 original_exec = spec.loader.exec_module
 
-                def exec_module(module, _original=original_exec):
+                def exec_module(module, _original=original_exec, _name=fullname):
                     _original(module)
-                    install(import_missing=False)
+                    _on_import(_name, module)
 
                 spec.loader.exec_module = exec_module
                 return spec
         return None
 
 
-_post_import = _PatchAfterImport()
+_import_hook = _PatchOnImport()
 
 
-def _resolve(module_name: str, attr: str, import_missing: bool) -> tuple[Any, str] | None:
-    if module_name not in sys.modules and not import_missing:
-        return None
+def _on_import(module_name: str, module: Any) -> None:
+    if not _applied and not _import_hook.watch:
+        return
+    for point in _PATCH_POINTS:
+        if point.module == module_name:
+            _patch_definition(point, module)
+        if module_name in point.callers or point.module == module_name:
+            _patch_callers(point)
+    _import_hook.watch.discard(module_name)
+
+
+def apply() -> None:
+    """Wrap verl's names (module docstring table); idempotent, all or nothing.
+
+    Checks the installed verl version first (one warning outside :data:`TESTED_VERL`). Modules
+    already imported are patched now (a missing name raises ``FrameworkAPIError`` and undoes what
+    this call did); the others are patched when verl imports them.
+    """
+    check_framework("verl", distributions=("verl",), tested=TESTED_VERL, extra="verl")
+    if is_applied():
+        return
+    done = len(_applied)
     try:
-        owner = __import__(module_name, fromlist=["_"])
-    except Exception as exc:  # an optional verl part (e.g. no ray) must not break the others
-        logger.debug("rollout-parity: patch point %s.%s deferred until it imports (%s)", module_name, attr, exc)
-        _post_import.pending.add(module_name)
-        if _post_import not in sys.meta_path:
-            sys.meta_path.insert(0, _post_import)
-        return None
-    *path, name = attr.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, name
+        for point in _PATCH_POINTS:
+            if point.eager or point.module in sys.modules:
+                module = importlib.import_module(point.module)
+                _patch_definition(point, module)
+                _patch_callers(point)
+            else:
+                _import_hook.watch.add(point.module)
+            _import_hook.watch.update(c for c in point.callers if c not in sys.modules)
+    except Exception:
+        while len(_applied) > done:
+            owner, name, previous = _applied.pop()
+            setattr(owner, name, previous)
+        _import_hook.watch.clear()
+        raise
+    if _import_hook not in sys.meta_path:
+        sys.meta_path.insert(0, _import_hook)
 
 
-def install(import_missing: bool = True) -> None:
-    """Register the policy loss and apply every patch (idempotent)."""
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
-
-    if POLICY_LOSS_REGISTRY.get(LOSS_NAME) is not rollout_parity_policy_loss:
-        register_policy_loss(LOSS_NAME)(rollout_parity_policy_loss)
-    for module_name, attr, factory in _PATCH_POINTS:
-        # main_ppo is patched only when already imported (it pulls in ray and hydra's app).
-        resolved = _resolve(module_name, attr, import_missing and module_name != "verl.trainer.main_ppo")
-        if resolved is None:
-            continue
-        owner, name = resolved
-        current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-        if current is None or hasattr(current, _PATCH_MARK):
-            continue
-        setattr(owner, name, factory(current))
-        _applied.append((owner, name, current))
-
-
-def uninstall() -> None:
-    """Restore every patched attribute and drop the registered loss."""
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
+def revert() -> None:
+    """Put every wrapped verl name back (in reverse order) and stop patching on import."""
     while _applied:
-        owner, name, original = _applied.pop()
-        setattr(owner, name, original)
-    _post_import.pending.clear()
-    if _post_import in sys.meta_path:
-        sys.meta_path.remove(_post_import)
-    if POLICY_LOSS_REGISTRY.get(LOSS_NAME) is rollout_parity_policy_loss:
-        del POLICY_LOSS_REGISTRY[LOSS_NAME]
+        owner, name, previous = _applied.pop()
+        setattr(owner, name, previous)
+    _wrappers.clear()
+    _wrapped_loss.cache_clear()
+    _import_hook.watch.clear()
+    if _import_hook in sys.meta_path:
+        sys.meta_path.remove(_import_hook)
 
 
-def is_installed() -> bool:
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+def is_applied() -> bool:
+    """True while the eager patch points carry rollout-parity's wrappers."""
+    for point in _PATCH_POINTS:
+        if not point.eager:
+            continue
+        module = sys.modules.get(point.module)
+        if module is None:
+            return False
+        owner, name = _owner_and_name(module, point.attr)
+        if not getattr(_current(owner, name), _PATCH_MARK, False):
+            return False
+    return True
 
-    return POLICY_LOSS_REGISTRY.get(LOSS_NAME) is rollout_parity_policy_loss and bool(_applied)
+
+def _deprecated(old: str, new: Callable) -> Callable:
+    @functools.wraps(new)
+    def alias(*args, **kwargs):
+        warnings.warn(f"rollout_parity.adapters.verl.{old}() is renamed {new.__name__}(); the old name goes away "
+                      "in the next release", FutureWarning, stacklevel=2)
+        return new(*args, **kwargs)
+
+    return alias
 
 
-install()
+install = _deprecated("install", apply)
+uninstall = _deprecated("uninstall", revert)
+is_installed = _deprecated("is_installed", is_applied)
+
+apply()
