@@ -71,7 +71,7 @@ class DoctorOptions:
     num_prompts: int = 4
     samples: int = 8
     max_tokens: int = 32
-    steps: int = 3
+    steps: int = 6
     sentences: int = 8  # story sentences per prompt: ~280-token prompts with the built-in model
     temperature: float = 0.7
     # The truncating sampler of the s/* rows (the other rows sample with temperature only).
