@@ -501,6 +501,13 @@ def _row(spec: RowSpec, cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any, p
         "vs_a": throughput.get("vs_baseline", float("nan")),
         "vs_a_versions": throughput.get("vs_baseline_versions", []),
     }
+    per_version = []
+    for part, b in zip(parts, batches):
+        lp = getattr(part, spec.trainer_view)
+        dv = (lp - _rollout_tensor(b.logprobs, lp.shape[1]))[part.mask.bool()]
+        dv = dv[torch.isfinite(dv)].abs()
+        per_version.append(float(dv.mean()) if dv.numel() else float("nan"))
+    row["delta_abs_mean_versions"] = per_version  # a stale cache shows as growth after version 0
     if spec.trainer_view == "full":  # the log-kept-mass bias: mean log S over the tokens
         full = torch.cat([p.full[p.mask.bool()] for p in parts])
         proc = torch.cat([p.processed[p.mask.bool()] for p in parts])
