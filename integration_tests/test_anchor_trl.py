@@ -46,6 +46,7 @@ from integration_tests.support.trl_batches import (  # noqa: E402
     rollout_func_for,
     stub_forward,
 )
+from integration_tests.support.trl_batches import through_trl as run_through_trl  # noqa: E402
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
 
@@ -78,23 +79,9 @@ def _lengths(batch):
     return batch.response_mask.sum(-1).long().tolist()
 
 
-def through_trl(trainer, cfg, loss_type, batch=None, rollout=None, loss_rows=None, lengths=None):
-    """The batch through TRL's generation and loss with ``cfg`` applied: (loss, d loss / d pi_theta, metrics, inputs)."""
-    batch = batch or make_shared_batch()
-    trainer.loss_type = loss_type
-    trainer.rollout_func = rollout_func_for(batch.rollout_logprobs if rollout is None else rollout,
-                                            lengths or _lengths(batch), loss_rows=loss_rows)
-    if cfg is not None:
-        trl_adapter.apply(trainer, cfg)
-    current = batch.fresh_current()
-    trainer._metrics["train"].clear()
-    with stub_forward(trainer, LogprobForward(batch.old_logprobs.clone(), current)):
-        inputs = trainer._generate_and_score_completions(generation_batch(trainer, B))
-        inputs["advantages"] = batch.advantages.clone()  # TRL's own come from rewards; the batch's are given
-        loss = trainer._compute_loss(trainer.model, inputs)
-    loss.backward()
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
-    return loss.detach(), current.grad, metrics, inputs
+def through_trl(trainer, cfg, loss_type, batch=None, **kwargs):
+    """The batch (the shared one by default) through TRL's generation and loss with ``cfg`` applied."""
+    return run_through_trl(trainer, cfg, loss_type, batch or make_shared_batch(), **kwargs)
 
 
 def _close(actual, expected, what):

@@ -25,7 +25,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["PROMPT_TOKEN", "LogprobForward", "pretend_vllm_trainer", "rollout_func_for", "generation_batch"]
+__all__ = ["PROMPT_TOKEN", "LogprobForward", "pretend_vllm_trainer", "rollout_func_for", "generation_batch",
+           "through_trl"]
 
 PROMPT_TOKEN = 7
 COMPLETION_TOKEN = 9
@@ -47,7 +48,7 @@ class LogprobForward:
         which = "current" if torch.is_grad_enabled() else "old"
         self.calls[which] += 1
         table = self.current if which == "current" else self.old
-        logps = table[rows]
+        logps = table[rows][:, : input_ids.shape[1] - 2]  # the prompt is [7, row]; TRL pads completions per batch
         pad = logps.new_zeros(input_ids.shape[0], input_ids.shape[1] - 1 - logps.shape[1])
         log_probs = torch.cat([pad, logps], dim=1)
         return SimpleNamespace(log_probs=log_probs, entropy=torch.zeros_like(log_probs.detach()), aux_loss=None)
@@ -119,3 +120,31 @@ def pretend_vllm_trainer(tmp_dir: str, batch_size: int, max_completion_length: i
 def generation_batch(trainer: Any, n_rows: int) -> list[dict]:
     """The inputs ``_generate_and_score_completions`` takes: one prompt per row."""
     return [{"prompt": f"prompt {i}"} for i in range(n_rows)]
+
+
+def through_trl(trainer: Any, cfg: Any, loss_type: str, batch: Any, rollout: Optional[torch.Tensor] = None,
+                loss_rows: Optional[torch.Tensor] = None, lengths: Optional[Sequence[int]] = None,
+                row_offset: int = 0, n_rows: Optional[int] = None):
+    """A shared-batch-like ``batch`` through TRL's generation and loss with ``cfg`` applied (None: TRL alone).
+
+    This rank's rows are ``row_offset + i`` for ``i < n_rows``. Returns ``(loss, d loss / d pi_theta
+    (B, T), this rank's logged metrics, TRL's batch dict)``; the advantages are the batch's.
+    """
+    from rollout_parity.adapters import trl as trl_adapter
+
+    n_rows = batch.old_logprobs.shape[0] if n_rows is None else n_rows
+    trainer.loss_type = loss_type
+    lengths = batch.response_mask.sum(-1).long().tolist() if lengths is None else lengths
+    trainer.rollout_func = rollout_func_for(batch.rollout_logprobs if rollout is None else rollout, lengths,
+                                            row_offset=row_offset, loss_rows=loss_rows)
+    if cfg is not None:
+        trl_adapter.apply(trainer, cfg)
+    current = batch.fresh_current()
+    trainer._metrics["train"].clear()
+    with stub_forward(trainer, LogprobForward(batch.old_logprobs.clone(), current)):
+        inputs = trainer._generate_and_score_completions(generation_batch(trainer, n_rows))
+        inputs["advantages"] = batch.advantages[row_offset:row_offset + n_rows].clone()  # TRL's come from rewards
+        loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
+    return loss.detach(), current.grad, metrics, inputs
