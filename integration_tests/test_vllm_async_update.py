@@ -21,7 +21,7 @@ weights (prompt logprobs of the same sequence, one prefill) and on the old ones:
 * A load that fails still resumes the engine.
 
 The new weights differ in seed and block scale, so old, new and stale scores differ by 0.05-1
-nat per token, while the same computation on two engines agrees to ~1e-6.
+nat per token, while the same computation on two engines agrees to ~2e-7.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ N_TOKENS = 160
 N_REQUESTS = 3
 SPLIT_AFTER = 24  # the update lands once every request has streamed at least this many tokens
 SPLIT = 0.05  # a token whose logprob differs from the old weights' by more was not computed by them
-EXACT = 1e-4  # mean per-token |delta| of the same computation on two engines (measured ~1e-6)
+EXACT = 1e-4  # mean per-token |delta| of the same computation on two engines (measured ~2e-7)
 ENGINE = dict(max_model_len=512, enforce_eager=True, seed=0)
 
 
@@ -198,6 +198,8 @@ def test_keep_freezes_requests_across_a_real_update_and_they_finish(measured, po
         # Up to the update the tokens are the old weights' (as a fresh old engine scores them);
         # the first token that is not lies at or after the streamed count, and well before the end.
         assert streamed <= k < N_TOKENS - 32, (policy, streamed, k)
+        print(f"{policy}: update after {streamed} streamed tokens, first new-weights token {k}; before it, "
+              f"mean |delta| to a fresh old-weights engine {_mean(d_old[:k]):.1e}")
         assert _mean(d_old[:k]) <= EXACT
         # From then on the old weights no longer score them: the load reached the running engine.
         assert _mean(d_old[k:]) > 0.3, policy
