@@ -1,23 +1,26 @@
-"""One actor update through verl's own per-micro-batch loss entry point, on CPU.
+"""One actor update through verl's own per-micro-batch loss path, on CPU (issues 5, 10, 11).
 
-verl 0.9.1's FSDP engine calls ``verl.workers.utils.losses.ppo_loss(config, model_output,
-data)`` for every micro-batch; that function selects the batch fields, converts verl's
-nested (no-padding) layout to padded tensors, fetches our loss from the registry and adds
-entropy/KL terms. Here a tiny local Qwen2 produces the packed token logprobs exactly as the
-engine lays them out, verl's ``ppo_loss`` turns them into a loss, and one SGD step moves the
-parameters; an independent copy of the model updated with the core's
-``compute_correction`` + ``policy_loss`` on padded tensors must land on the same parameters.
+verl's FSDP engine calls ``verl.workers.utils.losses.ppo_loss(config, model_output, data)`` for
+every micro-batch; that function selects the batch fields, converts verl's nested layout to
+padded tensors, fetches the configured loss (verl's ``vanilla``, through our wrapper) and adds
+entropy/KL terms. In-process, a tiny local Qwen2 produces the packed token logprobs exactly as
+the engine lays them out, ``ppo_loss`` turns them into a loss, one SGD step moves the
+parameters; an independent copy updated with the core's ``compute_correction`` +
+``policy_loss`` on padded tensors lands on the same parameters, and our metrics, aggregated by
+verl's own ``Metric`` rules, are the core's.
 
-The second test drives verl's own FSDP actor (``TrainingWorker`` -> ``FSDPEngineWithLMHead``,
-FSDP2 over one gloo rank) in a subprocess, with a test-only CPU platform registered through
-verl's platform registry (integration_tests/support/verl_cpu_platform.py): verl 0.9.1 has no
-CPU platform of its own.
+In subprocesses: verl's own FSDP actor (``TrainingWorker`` -> ``FSDPEngineWithLMHead``, FSDP2 on
+one gloo rank) with a **bf16 model** (verl's default mixed precision: bf16 forward) and
+``fp32_lm_head``, on the CPU platform of integration_tests/support/verl_cpu; and verl's
+per-micro-batch metric path on 2 gloo ranks against 1 rank (integration_tests/support/
+verl_dp_metrics.py).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -55,7 +58,6 @@ def actor_config(loss_agg_mode):
     with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=[
             "actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-            "actor_rollout_ref.actor.policy_loss.loss_mode=rollout_parity",
             f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}",
             "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_kl_loss=false"])
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
@@ -153,26 +155,57 @@ def test_one_update_through_verls_ppo_loss_moves_params_as_the_core_predicts(tin
         torch.testing.assert_close(pv, pc, atol=1e-6, rtol=1e-5, msg=name)
         moved = max(moved, (pv - p0).abs().max().item())
     assert moved > 1e-4, "the update did not move the parameters"
-    # verl's ppo_loss ran our registered loss: its metrics carry our policy/* keys next to verl's own
-    assert "actor/pg_loss" in metrics and "policy/pg_clipfrac" in metrics
+    # verl ran its own vanilla loss (its actor/* metrics) and our wrapper added ours as verl Metrics whose
+    # SUM aggregation gives the global token mean: here, one micro-batch, the core's own numbers
+    from verl.utils.metric import Metric
+
+    assert "actor/pg_loss" in metrics and "actor/pg_clipfrac" in metrics
+    if cfg.rollout_rejection is None:  # verl's normaliser (the rollout's tokens) is then the core's
+        _, core_metrics = policy_loss(cfg, current_logprobs=current.detach(), old_logprobs=old,
+                                      advantages=advantages, correction=out, clip_ratio=0.2, clip_ratio_c=3.0)
+        for key in ("policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_lower"):
+            assert isinstance(metrics[key], Metric)
+            assert metrics[key].aggregate() == pytest.approx(core_metrics[key], abs=1e-6), key
 
 
-@pytest.mark.parametrize("preset, fp32_head", [("tis_srs_k3", True), ("verl_decoupled_token_is", False)])
-def test_one_update_of_verls_own_fsdp_actor_on_cpu_moves_params_as_the_core_predicts(preset, fp32_head):
-    """TrainingWorker.train_mini_batch -> FSDP2 engine -> ppo_loss -> our loss -> SGD step, vs the core."""
+def _support(module, *args, timeout=600):
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "integration_tests.support.verl_actor_step_cpu", preset]
-    if fp32_head:
-        cmd.append("--fp32-lm-head")
     env = dict(os.environ, MASTER_PORT=str(29500 + (os.getpid() % 400)))
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", f"integration_tests.support.{module}", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT_JSON ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1].removeprefix("RESULT_JSON "))
+    return json.loads(lines[-1].removeprefix("RESULT_JSON "))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("verl.plugin") is None,
+                    reason="verl < 0.9 has no platform registry (verl.plugin.platform): no CPU platform can be plugged in")
+def test_one_update_of_verls_own_fsdp_actor_with_a_bf16_model_and_the_fp32_head():
+    """TrainingWorker -> FSDP2 (bf16 forward) -> ppo_loss -> verl's vanilla loss via our wrapper -> SGD."""
+    result = _support("verl_actor_step_cpu", "tis_srs_k3")
     assert result["engine"] == "FSDPEngineWithLMHead"
-    assert result["verl_loss"] == pytest.approx(result["core_loss"], abs=1e-6)
-    assert result["max_param_diff"] < 1e-6 and result["moved"] > 1e-3
-    assert result["fp32_head_applied"] is fp32_head  # our hook on verl's model build
-    assert "policy/pg_clipfrac" in result["metric_keys"]  # verl ran our registered loss
-    if preset == "tis_srs_k3":
-        assert result["rejected_tokens"] > 0
+    # a bf16 model: verl's autocast and the body's hidden states are bf16
+    assert result["autocast_dtype"] == "torch.bfloat16" and result["hidden_dtype"] == "torch.bfloat16"
+    # the head computes in fp32 (our hook on verl's model build), and only then
+    assert result["fp32_head_applied_at_build"]
+    assert result["head_output_dtype_fp32_head"] == "torch.float32"
+    assert result["head_output_dtype_bf16_head"] == "torch.bfloat16"
+    # verl's own log-prob pass changes with it, towards the fp64 head over the same hidden states
+    assert result["fp32_vs_bf16_head_mean_abs"] > 1e-3
+    assert result["fp32_head_err_vs_fp64"] < 1e-5 < result["bf16_head_err_vs_fp64"] / 100
+    # the update: verl's FSDP step vs the core on an independent copy (bf16 autocast, fp32 head)
+    assert result["verl_loss"] == pytest.approx(result["core_loss"], rel=0.05)
+    assert result["update_cosine"] > 0.999 and abs(result["update_norm_ratio"] - 1) < 0.02
+    assert result["moved"] > 1e-3 and result["rejected_tokens"] > 0
+    assert {"policy/pg_clipfrac", "rollout_correction/loss_contrib_pos"} <= set(result["metric_keys"])
+
+
+@pytest.mark.parametrize("name, mode", [("tis_srs_k3", "vanilla"), ("off_policy_mask", "gspo"),
+                                        ("metrics_only", "vanilla")])
+def test_two_gloo_ranks_give_one_ranks_loss_gradient_and_metrics(name, mode):
+    """verl's per-micro-batch metric path (postprocess, allgather, aggregate_dp) on the shared batch."""
+    result = _support("verl_dp_metrics", name, mode)
+    assert result["our_keys"], "the adapter added no metrics"
+    assert result["loss_ranks"] == pytest.approx(result["loss_single"], abs=1e-6)
+    assert result["grad_max"] > 0 and result["grad_max_diff"] < 1e-7
+    assert result["metric_max_diff"] < 1e-6, (result["metrics_single"], result["metrics_ranks"])

@@ -82,6 +82,7 @@ import importlib
 import importlib.abc
 import json
 import logging
+import math
 import os
 import sys
 import types
@@ -519,7 +520,7 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
         if advantages.dim() == 2:  # padding's advantage never matters, but NaN * 0 would reach verl's sums
             advantages = torch.where(response_mask.bool(), advantages, torch.zeros_like(advantages))
         bypass_in_loss = cfg.old_logprob_source == "bypass" and cfg.rollout_rejection is None
-        side = None
+        side, side_mask = None, mask
         if cfg.off_policy_sequence_mask_delta is not None or cfg.wants_metrics:
             # the core applies its own non-finite rules to what the diagnostics read: hand it the raw pi_old
             side = _loss_side_correction(cfg, old_log_prob, cur, mask, advantages, bypass_in_loss)
@@ -527,10 +528,15 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
         loss, metrics = loss_fn(old_log_prob=old, log_prob=cur, advantages=advantages, response_mask=mask,
                                 loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights)
         metrics = dict(metrics)
-        sums, counts = _policy_metric_sums(cfg, old, cur, advantages, mask, response_mask, nonfinite, side,
-                                           config, bypass_in_loss)
+        if not bool(mask.any()) and not bool(torch.isfinite(loss)):
+            # All tokens rejected or masked: verl's token-mean without a global normaliser divides
+            # 0 by 0. DESIGN.md's neutral result instead: a zero loss that still backpropagates.
+            loss = cur.sum() * 0.0
+            metrics = {k: 0.0 if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+        sums = _policy_metric_sums(cfg, old, cur, advantages, mask, side_mask, nonfinite, side, config,
+                                   bypass_in_loss)
         _loss_sums.set(sums)
-        metrics.update(_local_means(sums, counts))
+        metrics.update(_local_means(sums))
         return loss, metrics
 
     policy_loss_with_rollout_parity.__rollout_parity_loss__ = name
@@ -538,18 +544,19 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
     return policy_loss_with_rollout_parity
 
 
-def _policy_metric_sums(cfg, old, cur, advantages, mask, valid_mask, nonfinite, side, config, bypass_in_loss):
-    """Sums behind the loss-side metrics, ``{name: (sum, kind)}``, and the local counts.
+def _policy_metric_sums(cfg, old, cur, advantages, mask, side_mask, nonfinite_valid, side, config,
+                        bypass_in_loss) -> dict[str, tuple[float, float, str]]:
+    """The loss-side metrics as ``{name: (local sum, local count, kind)}``.
 
-    ``kind`` is ``token`` (a sum over kept tokens), ``token_valid`` (over valid tokens), ``seq``
-    (over sequences) or ``mean``; counts are ``(kept tokens, valid tokens, valid sequences)``.
-
-    ``mean`` entries are micro-batch means of nonlinear diagnostics (bypass in the loss only).
+    ``kind`` says which of verl's global normalisers a sum is divided by: ``token`` or ``seq``;
+    ``mean`` entries (count 1) are micro-batch means of nonlinear diagnostics (bypass in the loss
+    only). ``mask`` is what the loss trained on; ``side_mask`` what the core's diagnostics read.
     """
-    kept = mask.to(torch.float32)
-    n_tok = float(kept.sum())
-    n_valid_tok = float(valid_mask.to(torch.float32).sum())
-    n_seq = float((valid_mask.to(torch.float32).sum(-1) > 0).sum())
+    def count(m, seq=False):
+        m = m.to(torch.float32)
+        return float((m.sum(-1) > 0).sum()) if seq else float(m.sum())
+
+    n_kept, n_side = count(mask), count(side_mask)
     clip = float(_cfg_get(config, "clip_ratio", 0.2))
     with torch.no_grad():
         _, pm = policy_loss(CorrectionConfig(), current_logprobs=cur.detach(), old_logprobs=old,
@@ -557,29 +564,25 @@ def _policy_metric_sums(cfg, old, cur, advantages, mask, valid_mask, nonfinite, 
                             clip_ratio_low=_cfg_get(config, "clip_ratio_low", None),
                             clip_ratio_high=_cfg_get(config, "clip_ratio_high", None),
                             clip_ratio_c=float(_cfg_get(config, "clip_ratio_c", 3.0)))
-    sums: dict[str, tuple[float, str]] = {k: (v * n_tok, "token") for k, v in pm.items()}
-    sums["policy/nonfinite_frac"] = (float(nonfinite.sum()), "token_valid")
+    sums = {k: (v * n_kept, n_kept, "token") for k, v in pm.items()}  # token means over the trained tokens
+    n_valid = count(side_mask.bool() | nonfinite_valid)  # every valid token, trainable or not
+    sums["policy/nonfinite_frac"] = (float(nonfinite_valid.sum()), n_valid, "token")
     if side is not None:
-        metrics = side.metrics
-        for key in ("loss_contrib_pos", "loss_contrib_neg"):
+        for key in ("loss_contrib_pos", "loss_contrib_neg"):  # the core's: Σ C / (tokens it read)
             name = f"rollout_correction/{key}"
-            if name in metrics:  # Σ C / (valid tokens it saw)
-                sums[name] = (metrics[name] * n_tok, "token")
-        sums["rollout_correction/off_policy_masked_frac"] = (float(side.off_policy_masked.sum()), "seq")
+            if name in side.metrics:
+                sums[name] = (side.metrics[name] * n_side, n_side, "token")
+        sums["rollout_correction/off_policy_masked_frac"] = (
+            float(side.off_policy_masked.sum()), count(side_mask, seq=True), "seq")
         if bypass_in_loss:
-            for name, value in metrics.items():
+            for name, value in side.metrics.items():
                 if name not in sums and not name.endswith(("nonfinite_frac", "off_policy_masked_frac")):
-                    sums[name] = (value, "mean")
-    return sums, (n_tok, n_valid_tok, n_seq)
+                    sums[name] = (value, 1.0, "mean")
+    return sums
 
 
-def _local_means(sums: dict, counts: tuple[float, float, float]) -> dict[str, float]:
-    n_tok, n_valid_tok, n_seq = counts
-    out = {}
-    for name, (value, kind) in sums.items():
-        denom = {"token": n_tok, "token_valid": n_valid_tok, "seq": n_seq, "mean": 1.0}[kind]
-        out[name] = value / max(denom, 1.0) if kind != "mean" else value
-    return out
+def _local_means(sums: dict) -> dict[str, float]:
+    return {name: value / max(n, 1.0) for name, (value, n, _) in sums.items()}
 
 
 def _global_means(sums: dict, global_batch_info: dict) -> dict[str, Any]:
@@ -597,10 +600,10 @@ def _global_means(sums: dict, global_batch_info: dict) -> dict[str, Any]:
     dp = float(info.get("dp_size") or 1)
     n_tokens, n_seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
     out: dict[str, Any] = {}
-    for name, (value, kind) in sums.items():
+    for name, (value, _, kind) in sums.items():
         if kind == "mean":
             continue
-        denom = n_tokens if kind in ("token", "token_valid") else n_seqs
+        denom = n_tokens if kind == "token" else n_seqs
         if denom is None:
             continue  # no global normaliser: the micro-batch mean stays
         denom = float(denom.item() if torch.is_tensor(denom) else denom)
