@@ -52,7 +52,8 @@ RECIPE_ENGINE_KWARGS: dict[str, Any] = {
 
 #: How the prefix cache is treated across in-flight weight updates (see weight_update.py).
 #: ``off``: no prefix cache (the recipe). ``reset``: cache on, reset after each weight load
-#: (vllm#9744). ``salt``: cache on, every request carries ``cache_salt`` = its weight version.
+#: (vllm#9744); requests in flight recompute under the new weights. ``salt``: cache on, every
+#: request carries ``cache_salt`` = its weight version; requests in flight keep their own KV.
 PREFIX_CACHE_POLICIES = ("off", "reset", "salt")
 
 #: First vLLM release that has each knob. ``async_scheduling`` older than its knob means the
