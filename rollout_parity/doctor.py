@@ -244,12 +244,9 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
 
 def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str, Any]:
     import torch
-    from tqdm.auto import tqdm
 
     from rollout_parity.core.config import CorrectionConfig
-    from rollout_parity.core.vllm_recipe import describe_engine, verify_engine
-    from rollout_parity.grpo_rounds import (Config, grpo_prompt, run_rounds, shutdown, supports_reload_weights,
-                                            throughput_summary, warm_up, weight_versions)
+    from rollout_parity.grpo_rounds import grpo_prompt, supports_reload_weights, weight_versions
 
     t_start = time.perf_counter()
     cfg = CorrectionConfig.preset(opts.preset, log_rollout_offpolicy_metrics=True)
@@ -272,8 +269,6 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device).eval()
 
     specs = _rows(opts)
-    config_names = list(dict.fromkeys(s.config for s in specs))
-    engine_keys = list(dict.fromkeys(CONFIGS[c][0] for c in config_names))
     real_updates = opts.update_scale > 0 and opts.steps > 1 and supports_reload_weights()
     if opts.update_scale > 0 and opts.steps > 1 and not real_updates:
         notes.append("this vLLM has no reload_weights(weights_iterator=...): weight updates were loads that change nothing")
@@ -284,15 +279,72 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     warm = [grpo_prompt(tokenizer, opts.steps + 1, i, sentences=opts.sentences, seed=opts.seed)
             for i in range(opts.num_prompts)]
     longest = max(len(p) for ps in prompts + [warm] for p in ps)
-    max_model_len = int(2 ** math.ceil(math.log2(longest + opts.max_tokens + 1)))
     sizing = dict(enforce_eager=True, gpu_memory_utilization=opts.gpu_memory_utilization,
-                  max_model_len=max_model_len, seed=opts.seed)
+                  max_model_len=int(2 ** math.ceil(math.log2(longest + opts.max_tokens + 1))), seed=opts.seed)
     sampling = {
         "temperature": {"temperature": opts.temperature},
         "truncating": {"temperature": opts.temperature, "top_k": opts.top_k, "top_p": opts.top_p, "min_p": opts.min_p},
     }
 
-    bar = tqdm(total=len(engine_keys) + len(config_names) * (opts.steps + 1) + opts.steps, desc="doctor",
+    sampled = _sample(vllm, model_path, specs, sizing, sampling, prompts, warm, versions if real_updates else None,
+                      opts, timings)
+    say("scoring the rollouts with the trainer, version by version")
+    t0 = time.perf_counter()
+    scores, stale = _score_versions(trainer, specs, sampled["batches"], versions, sampling, opts, real_updates)
+    timings["trainer_s"] = time.perf_counter() - t0
+    rows, deltas, scan = _rows_report(specs, cfg, scores, sampled)
+
+    entropy_row = "d" if ("d", True) in scores else specs[0].name
+    entropy_parts = scores[(ROW_SPECS[entropy_row].config, ROW_SPECS[entropy_row].trainer_fp32_head)]
+    entropy = torch.cat([p.entropy[p.mask.bool()] for p in entropy_parts])
+    timings["total_s"] = time.perf_counter() - t_start
+    report: dict[str, Any] = {
+        "model": model_path,
+        "tiny_model_built": built,
+        "vllm_version": getattr(vllm, "__version__", None),
+        "options": {k: v for k, v in asdict(opts).items() if k not in ("progress",)},
+        "sampling": {"temperature": opts.temperature, "truncating": sampler_setting(opts), "top_k": opts.top_k,
+                     "top_p": opts.top_p, "min_p": opts.min_p, "max_tokens": opts.max_tokens},
+        "workload": {"versions": opts.steps, "prompts_per_version": opts.num_prompts, "samples": opts.samples,
+                     "prompt_tokens": [min(len(p) for ps in prompts for p in ps), longest],
+                     "sequences_per_row": opts.steps * opts.num_prompts * opts.samples},
+        "weight_updates": {"real": real_updates, "scale": opts.update_scale if real_updates else 0.0,
+                           "stale_delta_abs_mean": statistics.fmean(stale) if stale else None},
+        "mean_entropy": float(entropy.mean()) if entropy.numel() else float("nan"),
+        "mean_entropy_row": entropy_row,
+        "correction_preset": opts.preset,
+        "correction_config": cfg.to_dict(),
+        "sizing_kwargs": sizing,
+        "cpu_threads": threads,
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "rows": rows,
+        "rejection_threshold_scan": scan,
+        "notes": notes,
+        "timings": timings,
+    }
+    recipe = next((r for r in rows if r["row"] == "d"), None)
+    report["recipe_delta_abs_mean"] = recipe["delta_abs_mean"] if recipe else None
+    report["recommendation"] = recommend(report)
+    report["_deltas"] = deltas
+    return report
+
+
+def _sample(vllm: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[str, Any],
+            sampling: Mapping[str, Mapping[str, Any]], prompts: list[list[list[int]]], warm: list[list[int]],
+            weights: list[Mapping[str, Any]] | None, opts: DoctorOptions, timings: dict[str, Any]) -> dict[str, Any]:
+    """Build every engine the rows need, warm them up, run the interleaved rounds, shut them down.
+
+    Returns the batches per configuration, each engine's resolved settings and each row's
+    ``verify_engine`` result.
+    """
+    from tqdm.auto import tqdm
+
+    from rollout_parity.core.vllm_recipe import describe_engine, verify_engine
+    from rollout_parity.grpo_rounds import Config, run_rounds, shutdown, warm_up
+
+    config_names = list(dict.fromkeys(s.config for s in specs))
+    engine_keys = list(dict.fromkeys(CONFIGS[c][0] for c in config_names))
+    bar = tqdm(total=len(engine_keys) + len(config_names) * (opts.steps + 1), desc="doctor",
                disable=not opts.progress, file=sys.stderr)
     engines: dict[str, Any] = {}
     engine_seconds: dict[str, float] = {}
@@ -310,39 +362,56 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
         warm_up(configs, warm, samples=opts.samples, max_tokens=opts.max_tokens)
         bar.update(len(configs))
         timings["warm_up_s"] = time.perf_counter() - t0
+        bar.set_postfix_str("rounds")
         t0 = time.perf_counter()
-        batches = run_rounds(configs, prompts, samples=opts.samples, max_tokens=opts.max_tokens,
-                             weights=versions if real_updates else None, tick=lambda name: bar.update(1))
+        batches = run_rounds(configs, prompts, samples=opts.samples, max_tokens=opts.max_tokens, weights=weights,
+                             tick=lambda name: bar.update(1))
         timings["rounds_s"] = time.perf_counter() - t0
         resolved = {key: describe_engine(llm) for key, llm in engines.items()}
         held = {s.name: verify_engine(engines[CONFIGS[s.config][0]], fp32_lm_head=s.trainer_fp32_head,
                                       prefix_cache_policy=CONFIGS[s.config][1]) for s in specs}
     finally:
+        bar.close()
         for llm in engines.values():
             shutdown(llm)
         engines.clear()
     timings["engines_s"] = engine_seconds
+    return {"batches": batches, "resolved": resolved, "held": held}
 
-    # Trainer side: score each version's rollouts with the trainer holding that version.
-    t0 = time.perf_counter()
-    views = {(s.config, s.trainer_fp32_head) for s in specs}
+
+def _score_versions(trainer: Any, specs: list[RowSpec], batches: Mapping[str, list[Any]], versions: list[Any],
+                    sampling: Mapping[str, Mapping[str, Any]], opts: DoctorOptions, real_updates: bool):
+    """Score each version's rollouts with the trainer holding that version.
+
+    Returns the scores per (configuration, fp32 head), one per version, and row d's per-token
+    |delta| with the trainer one version behind (what an engine that missed an update shows).
+    """
+    views = sorted({(s.config, s.trainer_fp32_head) for s in specs})
     scores: dict[tuple[str, bool], list[Any]] = {k: [] for k in views}
-    stale: list[float] = []  # row d's tokens scored one version behind: what a missed update shows
-    for v in range(opts.steps):
-        bar.set_postfix_str(f"trainer v{v}")
-        trainer.load_state_dict(versions[v])
-        for config, fp32 in sorted(views):
-            b = batches[config][v]
-            scores[(config, fp32)].append(_score(trainer, b, fp32, _sampling_of(config, sampling), opts))
-        if real_updates and "d" in batches and v + 1 < opts.steps:
-            nxt = batches["d"][v + 1]
-            s = _score(trainer, nxt, True, sampling["temperature"], opts)
-            stale += _abs_deltas(s.processed, s.mask, nxt.logprobs)
-        bar.update(1)
-    trainer.load_state_dict(versions[0])
-    timings["trainer_s"] = time.perf_counter() - t0
-    bar.close()
+    stale: list[float] = []
+    try:
+        for v in range(opts.steps):
+            trainer.load_state_dict(versions[v])
+            for config, fp32 in views:
+                scores[(config, fp32)].append(
+                    _score(trainer, batches[config][v], fp32, sampling[CONFIGS[config][2]], opts))
+            if real_updates and "d" in batches and v + 1 < opts.steps:
+                ahead = batches["d"][v + 1]
+                s = _score(trainer, ahead, True, sampling["temperature"], opts)
+                stale += _abs_deltas(s.processed, s.mask, ahead.logprobs)
+    finally:
+        trainer.load_state_dict(versions[0])
+    return scores, stale
 
+
+def _rows_report(specs: list[RowSpec], cfg: Any, scores: Mapping[tuple[str, bool], list[Any]],
+                 sampled: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[str, list[float]], list]:
+    """Each row's metrics, its per-token |delta| (for the plot), and the rejection scan on row d."""
+    import torch
+
+    from rollout_parity.grpo_rounds import throughput_summary
+
+    batches = sampled["batches"]
     summary = throughput_summary(batches, baseline="a" if "a" in batches else None)
     rows: list[dict[str, Any]] = []
     deltas: dict[str, list[float]] = {}
@@ -353,43 +422,12 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
         mask = _stack([p.mask for p in parts])
         rollout_lp = _stack([_rollout_tensor(b.logprobs, p.mask.shape[1]) for b, p in zip(batches[spec.config], parts)])
         rows.append(_row(spec, cfg, trainer_lp, rollout_lp, mask, parts, batches[spec.config], summary[spec.config],
-                         resolved[CONFIGS[spec.config][0]], held[spec.name]))
+                         sampled["resolved"][CONFIGS[spec.config][0]], sampled["held"][spec.name]))
         d = (trainer_lp - rollout_lp)[mask.bool()]
         deltas[spec.name] = d.abs()[torch.isfinite(d)].tolist()
         if spec.name == "d":
             scan = _threshold_scan(cfg, trainer_lp, rollout_lp, mask)
-
-    d_parts = scores.get(("d", True)) or next(iter(scores.values()))
-    ent = torch.cat([p.entropy[p.mask.bool()] for p in d_parts])
-    timings["total_s"] = time.perf_counter() - t_start
-    report: dict[str, Any] = {
-        "model": model_path,
-        "tiny_model_built": built,
-        "vllm_version": getattr(vllm, "__version__", None),
-        "options": {k: v for k, v in asdict(opts).items() if k not in ("progress",)},
-        "sampling": {"temperature": opts.temperature, "truncating": sampler_setting(opts), "top_k": opts.top_k,
-                     "top_p": opts.top_p, "min_p": opts.min_p, "max_tokens": opts.max_tokens},
-        "workload": {"versions": opts.steps, "prompts_per_version": opts.num_prompts, "samples": opts.samples,
-                     "prompt_tokens": [min(len(p) for ps in prompts for p in ps), longest],
-                     "sequences_per_row": opts.steps * opts.num_prompts * opts.samples},
-        "weight_updates": {"real": real_updates, "scale": opts.update_scale if real_updates else 0.0,
-                           "stale_delta_abs_mean": statistics.fmean(stale) if stale else None},
-        "mean_entropy": float(ent.mean()) if ent.numel() else float("nan"),
-        "correction_preset": opts.preset,
-        "correction_config": cfg.to_dict(),
-        "sizing_kwargs": sizing,
-        "cpu_threads": threads,
-        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-        "rows": rows,
-        "rejection_threshold_scan": scan,
-        "notes": notes,
-        "timings": timings,
-    }
-    recipe = next((r for r in rows if r["row"] == "d"), None)
-    report["recipe_delta_abs_mean"] = recipe["delta_abs_mean"] if recipe else None
-    report["recommendation"] = recommend(report)
-    report["_deltas"] = deltas
-    return report
+    return rows, deltas, scan
 
 
 def _scaled_thresholds(cfg: Any, factor: float) -> Any:
@@ -419,10 +457,6 @@ def _threshold_scan(cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any) -> li
         out.append({"threshold": threshold, "rejected_seq_frac": float(m["rollout_correction/rejected_seq_frac"]),
                     "rejected_token_frac": float(m["rollout_correction/rejected_token_frac"])})
     return out
-
-
-def _sampling_of(config: str, sampling: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
-    return sampling[CONFIGS[config][2]]
 
 
 def _score(trainer: Any, batch: Any, fp32: bool, sampling: Mapping[str, Any], opts: DoctorOptions) -> Any:
@@ -730,8 +764,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{s['max_tokens']} tokens = {w['sequences_per_row']} sequences per row"
         )
     if "mean_entropy" in report:
-        lines.append(f"mean entropy of the sampling distribution (T={s['temperature']}, row d's tokens): "
-                     f"{report['mean_entropy']:.2f} nats")
+        lines.append(f"mean entropy of the sampling distribution (T={s['temperature']}, row "
+                     f"{report.get('mean_entropy_row', 'd')}'s tokens): {report['mean_entropy']:.2f} nats")
     wu = report.get("weight_updates")
     if wu:
         if wu["real"]:
