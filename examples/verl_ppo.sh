@@ -4,9 +4,11 @@
 # GSM8K parquet files from verl's examples/data_preprocess/gsm8k.py.
 #
 # What the flag does (docs/verl.md): at start, verl's config validation also validates the
-# rollout_parity block into a CorrectionConfig, switches the actor to the "rollout_parity"
-# policy loss, loads the adapter in every worker (model.external_lib), merges the vLLM parity
-# recipe into actor_rollout_ref.rollout.engine_kwargs.vllm and turns on rollout logprobs.
+# rollout_parity block into a CorrectionConfig, loads the adapter in every worker
+# (model.external_lib), merges the vLLM parity recipe into
+# actor_rollout_ref.rollout.engine_kwargs.vllm and turns on rollout logprobs. Your policy loss
+# (actor_rollout_ref.actor.policy_loss.loss_mode: vanilla, gspo, cispo, ...) stays as it is: it
+# receives the correction through verl's own rollout_is_weights and response_mask.
 # Any other shared flag of DESIGN.md works the same way, e.g.
 #   +rollout_parity.preset=tis_srs_k3          (token TIS at 2 + seq_sum_k3 rejection at 0.001)
 #   +rollout_parity.old_logprob_source=bypass  (rollout logprobs are pi_old)

@@ -499,9 +499,8 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
     tokens whose π_old or π_θ was NaN/±inf) as micro-batch means;
     the ``ppo_loss`` wrapper turns them into exact global means.
     """
-    existing = getattr(loss_fn, "__rollout_parity_loss__", None)
-    if existing is not None:
-        return loss_fn
+    if getattr(loss_fn, "__rollout_parity_loss__", None) is not None:
+        return loss_fn  # already ours
 
     @functools.wraps(loss_fn)
     def policy_loss_with_rollout_parity(old_log_prob, log_prob, advantages, response_mask,
