@@ -12,6 +12,11 @@ command line or in a TRL YAML file (``--config grpo.yaml``), e.g.::
 
 With a real model: ``--model Qwen/Qwen3-0.6B --use_cpu false --bf16 true ...``.
 Environment on CPU: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set below if unset).
+
+This script imports ``ParityGRPOConfig`` / ``ParityGRPOTrainer`` (the import swap). A script that
+imports ``GRPOConfig`` / ``GRPOTrainer`` from ``trl`` runs unmodified under the launcher instead::
+
+    rollout-parity launch --rollout_importance_sampling_mode token_truncate train_grpo.py [its args]
 """
 
 from __future__ import annotations

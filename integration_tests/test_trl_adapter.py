@@ -53,7 +53,7 @@ from rollout_parity.adapters.trl import (  # noqa: E402
 )
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
-pytestmark = [pytest.mark.trl]
+pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]  # one colocated engine per module
 
 SHIFTS = (0.2, -0.4, -0.15)  # log r = -shift: -0.2 (kept, w = 0.82), 0.4 (rejected), 0.15 (truncated to UPPER)
 UPPER, K3_MAX = 1.1, 0.05
@@ -322,7 +322,8 @@ def test_refusals_name_the_option_and_leave_the_state(run):
     trainer.vllm_generation.top_p = 0.9
     try:
         with pytest.raises(ValueError, match="bypass.*truncating sampler"):
-            trl_adapter.apply(trainer, CorrectionConfig(old_logprob_source="bypass", log_rollout_offpolicy_metrics=True))
+            trl_adapter.apply(trainer, CorrectionConfig(old_logprob_source="bypass",
+                                                        log_rollout_offpolicy_metrics=True))
         trainer.vllm_generation.generation_kwargs = {"temperature": 0.7}
         with pytest.raises(ValueError, match="temperature=0.7"):
             trl_adapter.apply(trainer, CorrectionConfig(rollout_importance_sampling_mode="token_mask"))

@@ -79,7 +79,8 @@ def test_preset_and_module_form(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert launch(["--preset", "tis_srs_k3", "--off_policy_sequence_mask_delta", "0.1", "-m", "probe_module",
                    "--output_dir", str(tmp_path), "--use_cpu", "true"]) == 0
-    assert _read(tmp_path)["flags"] == CorrectionConfig.preset("tis_srs_k3", off_policy_sequence_mask_delta=0.1).to_dict()
+    expected = CorrectionConfig.preset("tis_srs_k3", off_policy_sequence_mask_delta=0.1)
+    assert _read(tmp_path)["flags"] == expected.to_dict()
     sys.modules.pop("probe_module", None)
 
 

@@ -52,8 +52,8 @@ def served(tmp_path_factory):
     patches = pytest.MonkeyPatch()
     with cpu_weight_transfer_stub(patches) as transfers, \
             vllm_openai_server(model, vllm_serve_flags(fp32_lm_head=True), tmp / "vllm.log") as url:
-        trainer = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=_server_args(tmp, url, **FLAGS),
-                                    train_dataset=prompts_dataset())
+        trainer = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars,
+                                    args=_server_args(tmp, url, **FLAGS), train_dataset=prompts_dataset())
         recorder = Recorder(trainer)
         trainer.train()
         yield trainer, recorder, transfers, model, tmp
@@ -65,7 +65,9 @@ def test_recipe_checked_on_the_live_server_through_trl_client(served):
     trainer, _, transfers, _, _ = served
     assert trainer.rollout_parity_engine_checks == {
         "logprobs_mode": True, "async_scheduling_off": True, "prefix_caching_off": True, "fp32_lm_head": True}
-    info = trainer.vllm_generation.vllm_client.get_server_info()  # the same endpoint, read back by the test
+    client = trainer.vllm_generation.vllm_client  # the same endpoint, read back by the test (TRL 1.15: no wrapper)
+    info = client.get_server_info() if hasattr(client, "get_server_info") else client._get(
+        f"{client.base_url}/server_info", params={"config_format": "json"})["vllm_config"]
     assert info["model_config"]["hf_overrides"] == {"head_dtype": "float32"}
     assert transfers[0][0] == "init"  # TRL's NCCL group (stubbed: CUDA only)
 

@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         if field.name in _BOOL_FLAGS:
             parser.add_argument(f"--{field.name}", action="store_true", default=None, help=help_text)
         else:  # one value each, so the script's path is never taken for a flag value; lists are comma-separated
-            parser.add_argument(f"--{field.name}", default=None, metavar="A,B" if field.name in _LIST_FLAGS else "VALUE",
-                                help=help_text)
+            metavar = "A,B" if field.name in _LIST_FLAGS else "VALUE"
+            parser.add_argument(f"--{field.name}", default=None, metavar=metavar, help=help_text)
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE ...",
                         help="run a module as a script, with the arguments that follow (like python -m)")
     parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [script args...] (or the module's args)")

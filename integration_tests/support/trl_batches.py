@@ -100,9 +100,9 @@ def pretend_vllm_trainer(tmp_dir: str, batch_size: int, max_completion_length: i
 
     from rollout_parity.testing.tiny_model import build_tiny_model
 
-    config = dict(output_dir=tmp_dir, use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=batch_size,
-                  num_generations=2, max_completion_length=max_completion_length, loss_type="bnpo", save_strategy="no",
-                  model_init_kwargs={"dtype": "float32"}, seed=0)
+    config = dict(output_dir=tmp_dir, use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
+                  per_device_train_batch_size=batch_size, num_generations=2, loss_type="bnpo",
+                  max_completion_length=max_completion_length, model_init_kwargs={"dtype": "float32"})
     config.update(overrides)
     args = GRPOConfig(**config)
     dataset = Dataset.from_dict({"prompt": [f"prompt {i}" for i in range(batch_size)]})

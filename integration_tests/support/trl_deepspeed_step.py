@@ -44,9 +44,10 @@ def main(report_path: str) -> None:
             valid = labels >= 0
             logps = out[0].detach()
             projections.append({
-                "hidden_dtype": str(hidden.dtype), "weight_dtype": str(weight.dtype), "weight_shape": list(weight.shape),
-                "autocast": torch.is_autocast_enabled(hidden.device.type),
-                "vs_fp32": (logps - ref32)[valid].abs().max().item(), "vs_bf16": (logps - ref16)[valid].abs().max().item()})
+                "hidden_dtype": str(hidden.dtype), "weight_dtype": str(weight.dtype),
+                "weight_shape": list(weight.shape), "autocast": torch.is_autocast_enabled(hidden.device.type),
+                "vs_fp32": (logps - ref32)[valid].abs().max().item(),
+                "vs_bf16": (logps - ref16)[valid].abs().max().item()})
         return out
 
     trl_utils._ChunkedLogProbFunction.apply = watched_apply

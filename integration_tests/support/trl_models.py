@@ -12,7 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rollout_parity.testing.tiny_model import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, build_tiny_tokenizer, default_cache_dir
+from rollout_parity.testing.tiny_model import (
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    build_tiny_tokenizer,
+    default_cache_dir,
+)
 
 __all__ = ["build_tiny_moe_model"]
 
@@ -34,8 +40,8 @@ def build_tiny_moe_model(dtype: str = "float32") -> str:
         shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, decoder_sparse_step=1,
         router_aux_loss_coef=0.01, tie_word_embeddings=False, rms_norm_eps=1e-6,
-        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
-        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), bos_token_id=None,
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
     )
     torch.manual_seed(0)
     model = Qwen2MoeForCausalLM(config)
