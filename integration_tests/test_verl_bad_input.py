@@ -28,7 +28,6 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
-from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
@@ -104,6 +103,8 @@ def test_a_shape_mismatch_inside_verls_loss_is_an_error_naming_both_shapes(actor
 @pytest.mark.parametrize("mode", ["vanilla", "gspo", "geo_mean"])
 @pytest.mark.parametrize("global_info", [None, "verl_v1"])
 def test_an_all_rejected_batch_is_a_zero_loss_that_backpropagates(actor_config, flags, mode, global_info):
+    from verl.trainer.ppo.ray_trainer import compute_advantage  # (imports verl's rollout-server client)
+
     cfg = flags(CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_max_k2"],
                                  rollout_rejection_threshold=1e-9, log_rollout_offpolicy_metrics=True))
     batch = make_shared_batch()
