@@ -15,7 +15,14 @@ Obstacles handled elsewhere (Hydra overrides of the run itself, see
   ``verl`` extra;
 * [3b] ``+ray_kwargs.ray_init.num_gpus=1``: the one "GPU" the placement groups ask for (shim 3);
 * [7] vLLM's sleep mode is refused on CPU: ``enable_sleep_mode=false``, ``free_cache_engine=false``;
-* [8] ``actor_rollout_ref.rollout.agent.num_workers=1`` (a 2-core machine: 117 s -> 31 s a step).
+* [8] ``actor_rollout_ref.rollout.agent.num_workers=1`` (a 2-core machine: 117 s -> 31 s a step);
+* Ray itself: ``ray_init.num_cpus=16`` logical CPUs and one TransferQueue storage unit (each
+  TransferQueue actor reserves a CPU; with the 2 real ones the run waits forever), and
+  ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` so a 127.0.0.1 node address is kept (Ray otherwise
+  swaps in the machine's routable address, and verl's rollout servers bind to it).
+
+``advantage_log`` beside this file is not a shim: an observer that records what verl's GRPO
+step computed, for the test to check.
 """
 
 from __future__ import annotations
@@ -65,10 +72,11 @@ def register_cpu_platform() -> None:
     2: verl ships cuda/npu/rocm platforms only; ``VERL_PLATFORM=cpu`` (in :data:`ENV`)
        selects this one in every process.
     3: its Ray resource name is ``"GPU"``. verl's placement-group bundles ask for one unit of
-       ``ray_resource_name()`` per worker, and verl sizes its pools by counting GPU/NPU only:
-       a "CPU" resource name makes the bundle ask for one more CPU than the pool counted, and
-       the placement group stays PENDING forever without an error. With "GPU", the run adds
-       ``+ray_kwargs.ray_init.num_gpus=1`` so Ray has one (fictitious) GPU to hand out.
+       ``ray_resource_name()`` per worker, and verl checks its pools against the cluster's
+       "GPU"/"NPU" counts only (``ResourcePoolManager._check_resource_available``). With a "CPU"
+       resource name the placement group stays PENDING without an error (measured in issue 11);
+       with "GPU" the run adds ``+ray_kwargs.ray_init.num_gpus=1``, one fictitious GPU for Ray
+       to hand out, and the pool is placed.
     """
     from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import PlatformRegistry
@@ -243,6 +251,7 @@ def install() -> None:
 
 
 def is_installed() -> bool:
+    """Whether shims 2-6 are in place (shim 9 acts when vLLM's layer utilities are imported)."""
     import verl.utils.distributed as distributed
     from verl.plugin.platform.platform_manager import PlatformRegistry
 
