@@ -330,6 +330,7 @@ def test_a_real_main_ppo_command_line_rejects_a_bad_flag_at_start(tmp_path):
     (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.actor.strategy=megatron"], "strategy"),
     (["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
      "sequence parallelism"),
+    (["actor_rollout_ref.rollout.top_k=20", "++trainer.use_v1=false"], "use_v1"),
 ])
 def test_what_cannot_be_expressed_fails_at_start_naming_it(overrides, flag):
     if not any(o.startswith("+rollout_parity.") for o in overrides):

@@ -326,8 +326,11 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
     if cfg.fp32_lm_head:
         _refuse_outside_fsdp_head_pass(config, "fp32_lm_head")
     if sampler_aware:
-        _refuse_outside_fsdp_head_pass(config, f"sampler-aware pi_old (rollout top_k={sampler.top_k}, "
-                                               f"top_p={sampler.top_p})")
+        what = f"sampler-aware pi_old (rollout top_k={sampler.top_k}, top_p={sampler.top_p})"
+        _refuse_outside_fsdp_head_pass(config, what)
+        if _select(config, "trainer.use_v1", None) is False:
+            raise ValueError(f"{what}: trainer.use_v1=false; the processed pi_old reaches the driver through "
+                             "verl's TransferQueue trainer (trainer.use_v1=true, verl's default)")
     # Bypass with rejection keeps verl's pi_old pass: the rejection statistic (and with it the
     # baselines) needs the trainer's logprobs before the advantages (module docstring).
     verl_bypass = cfg.old_logprob_source == "bypass" and cfg.rollout_rejection is None
