@@ -200,8 +200,7 @@ def test_one_update_of_verls_own_fsdp_actor_with_a_bf16_model_and_the_fp32_head(
     assert {"policy/pg_clipfrac", "rollout_correction/loss_contrib_pos"} <= set(result["metric_keys"])
 
 
-@pytest.mark.parametrize("name, mode", [("tis_srs_k3", "vanilla"), ("off_policy_mask", "gspo"),
-                                        ("metrics_only", "vanilla")])
+@pytest.mark.parametrize("name, mode", [("tis_srs_k3", "vanilla"), ("off_policy_mask", "gspo")])
 def test_two_gloo_ranks_give_one_ranks_loss_gradient_and_metrics(name, mode):
     """verl's per-micro-batch metric path (postprocess, allgather, aggregate_dp) on the shared batch."""
     result = _support("verl_dp_metrics", name, mode)
