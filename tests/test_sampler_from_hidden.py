@@ -50,3 +50,15 @@ def test_rejects_mismatched_shapes_naming_them():
         sampler_logprobs_from_hidden(torch.zeros(2, 8), torch.zeros(10, 9), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"token_ids must lie in \[0, 10\)"):
         sampler_logprobs_from_hidden(torch.zeros(2, 8), torch.zeros(10, 8), torch.tensor([0, 10]))
+
+
+def test_projects_in_fp32_under_bf16_autocast():
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(40, 16, generator=gen)
+    weight = torch.randn(97, 16, generator=gen)
+    tokens = torch.randint(0, 97, (40,), generator=gen)
+    plain = sampler_logprobs_from_hidden(hidden, weight, tokens, temperature=0.7)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        under = sampler_logprobs_from_hidden(hidden, weight, tokens, temperature=0.7)
+    assert torch.equal(under.full, plain.full)
+    assert torch.equal(under.processed, plain.processed)

@@ -300,14 +300,16 @@ def sampler_logprobs_from_hidden(
     greedy = temperature < _SAMPLING_EPS
     full = torch.empty(flat.shape[0], dtype=torch.float32, device=hidden.device)
     processed = torch.empty_like(full)
-    for start in range(0, flat.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        z = torch.nn.functional.linear(flat[rows].to(torch.float32), w, b)
-        idx = ids[rows].unsqueeze(-1)
-        scaled = z if greedy else z / temperature
-        full[rows] = scaled.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
-        x = processed_logits(z, temperature, top_k, top_p, min_p)
-        processed[rows] = x.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
+    # Under a trainer's bf16 autocast the projection would silently run in bf16.
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        for start in range(0, flat.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = torch.nn.functional.linear(flat[rows].to(torch.float32), w, b)
+            idx = ids[rows].unsqueeze(-1)
+            scaled = z if greedy else z / temperature
+            full[rows] = scaled.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
+            x = processed_logits(z, temperature, top_k, top_p, min_p)
+            processed[rows] = x.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
     shape = token_ids.shape
     full, processed = full.reshape(shape), processed.reshape(shape)
     outside = torch.isneginf(processed)
