@@ -39,6 +39,7 @@ from integration_tests.support.trl_runs import (  # noqa: E402
     grpo_args,
     naive_channels,
     prompts_dataset,
+    restored_distributed_env,
     reward_distinct_chars,
     shifted_sampler,
 )
@@ -72,22 +73,23 @@ def run(tmp_path_factory):
         tmp_path_factory.mktemp("trl-run"), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
         vllm_max_model_length=256, model_init_kwargs={"dtype": "bfloat16"}, beta=0.04, learning_rate=1e-4,
         gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2, **RUN_FLAGS, fp32_lm_head=True)
-    with cpu_weight_sync_shim():  # TRL reloads weights into the CPU engine every step
-        trainer = ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=reward_distinct_chars, args=args,
-                                    train_dataset=prompts_dataset())
-    trainer.vllm_generation.generate = shifted_sampler(trainer.vllm_generation.generate, SHIFTS)
-    recorder = Recorder(trainer)
-    trainer.train()
-    yield trainer, recorder
-    recorder.close()
-    shutdown_llm(trainer.vllm_generation.llm)
-    try:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    with restored_distributed_env():  # TRL's engine setup writes RANK, WORLD_SIZE, MASTER_PORT, ...
+        with cpu_weight_sync_shim():  # TRL reloads weights into the CPU engine every step
+            trainer = ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=reward_distinct_chars, args=args,
+                                        train_dataset=prompts_dataset())
+        trainer.vllm_generation.generate = shifted_sampler(trainer.vllm_generation.generate, SHIFTS)
+        recorder = Recorder(trainer)
+        trainer.train()
+        yield trainer, recorder
+        recorder.close()
+        shutdown_llm(trainer.vllm_generation.llm)
+        try:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        destroy_model_parallel()
-        destroy_distributed_environment()
-    except Exception:  # best effort: free the process group for later modules
-        pass
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:  # best effort: free the process group for later modules
+            pass
 
 
 @contextlib.contextmanager

@@ -27,6 +27,8 @@ from rollout_parity.testing.stack import need
 need("trl", extra="trl")
 need("deepspeed", extra="deepspeed")
 
+from integration_tests.support.trl_runs import subprocess_env  # noqa: E402
+
 pytestmark = [pytest.mark.trl, pytest.mark.deepspeed, pytest.mark.slow]
 
 
@@ -39,8 +41,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("trl-ds") / "report.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "PYTHONPATH": os.getcwd()}
+    env = subprocess_env(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                         LOCAL_RANK="0", WORLD_SIZE="1", PYTHONPATH=os.getcwd())
     proc = subprocess.run([sys.executable, "-m", "integration_tests.support.trl_deepspeed_step", str(path)],
                           capture_output=True, text=True, env=env, timeout=900, cwd=os.getcwd())
     assert proc.returncode == 0, proc.stderr[-4000:]

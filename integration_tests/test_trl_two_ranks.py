@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from integration_tests.shared_batch import B, T, config_for, make_shared_batch  # noqa: E402
 from integration_tests.support.trl_batches import pretend_vllm_trainer, through_trl  # noqa: E402
+from integration_tests.support.trl_runs import subprocess_env  # noqa: E402
 from integration_tests.support.trl_two_ranks import CONFIGS, LOSS_TYPES  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
 
@@ -47,8 +48,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("trl-2ranks")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    env = subprocess_env(PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), "-m", "integration_tests.support.trl_two_ranks", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=os.getcwd())

@@ -9,12 +9,40 @@ correction has something to do and every number has a closed form.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Sequence
+import os
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["grpo_args", "reward_distinct_chars", "prompts_dataset", "shifted_sampler", "Recorder", "naive_channels"]
+__all__ = ["grpo_args", "reward_distinct_chars", "prompts_dataset", "shifted_sampler", "Recorder", "naive_channels",
+           "finite", "DISTRIBUTED_ENV", "restored_distributed_env", "subprocess_env"]
+
+#: What TRL's colocated engine sets in ``os.environ`` (``_init_vllm``: RANK, LOCAL_RANK, WORLD_SIZE and
+#: ``ensure_master_addr_port``) and a child process must not inherit from a test process.
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def restored_distributed_env() -> Iterator[None]:
+    """Give ``os.environ``'s distributed variables back as they were (TRL's engine setup changes them)."""
+    saved = {k: os.environ.get(k) for k in DISTRIBUTED_ENV}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def subprocess_env(**extra: str) -> dict:
+    """This process's environment without its distributed variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env.update(extra)
+    return env
 
 
 def grpo_args(tmp_dir: str, config_class: Any = None, **overrides: Any) -> Any:
