@@ -140,6 +140,35 @@ def processed_logits(
     return x
 
 
+def _token_indices(
+    token_ids: torch.Tensor, response_mask: torch.Tensor | None, chunk_size: int, vocab: int,
+    device: torch.device, vocab_source: str,
+) -> torch.Tensor:
+    """Validate the tokens, the mask and the chunk size; the flat long token indices on ``device``."""
+    if response_mask is not None and tuple(response_mask.shape) != tuple(token_ids.shape):
+        raise ValueError(
+            f"response_mask shape {tuple(response_mask.shape)} must equal token_ids shape "
+            f"{tuple(token_ids.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    ids = token_ids.reshape(-1).to(device=device, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"token_ids must lie in [0, {vocab}) ({vocab_source}), "
+            f"got range [{int(ids.min())}, {int(ids.max())}]"
+        )
+    return ids
+
+
+def _outside_kept_set(processed: torch.Tensor, response_mask: torch.Tensor | None) -> torch.Tensor:
+    """True where a sampled token got -inf (outside the kept set), inside ``response_mask``."""
+    outside = torch.isneginf(processed.detach())
+    if response_mask is not None:
+        outside = outside & response_mask.to(device=outside.device).bool()
+    return outside
+
+
 def sampler_logprobs(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
@@ -180,20 +209,9 @@ def sampler_logprobs(
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
-    if response_mask is not None and tuple(response_mask.shape) != tuple(token_ids.shape):
-        raise ValueError(
-            f"response_mask shape {tuple(response_mask.shape)} must equal token_ids shape "
-            f"{tuple(token_ids.shape)}"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     vocab = logits.shape[-1]
-    ids = token_ids.reshape(-1).to(device=logits.device, dtype=torch.long)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(
-            f"token_ids must lie in [0, {vocab}) (vocab of logits {tuple(logits.shape)}), "
-            f"got range [{int(ids.min())}, {int(ids.max())}]"
-        )
+    ids = _token_indices(token_ids, response_mask, chunk_size, vocab, logits.device,
+                         f"vocab of logits {tuple(logits.shape)}")
 
     flat = logits.reshape(-1, vocab)
     pieces = []
@@ -205,9 +223,7 @@ def sampler_logprobs(
         token_ids.shape
     )
 
-    outside = torch.isneginf(out.detach())
-    if response_mask is not None:
-        outside = outside & response_mask.to(device=outside.device).bool()
+    outside = _outside_kept_set(out, response_mask)
     num_outside = int(outside.sum())
     if return_outside:
         return SamplerLogprobs(logprobs=out, outside_mask=outside, num_outside=num_outside)
@@ -282,17 +298,8 @@ def sampler_logprobs_from_hidden(
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be (vocab, {hidden.shape[-1]}), got {tuple(weight.shape)}")
-    if response_mask is not None and tuple(response_mask.shape) != tuple(token_ids.shape):
-        raise ValueError(
-            f"response_mask shape {tuple(response_mask.shape)} must equal token_ids shape "
-            f"{tuple(token_ids.shape)}"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    vocab = weight.shape[0]
-    ids = token_ids.reshape(-1).to(device=hidden.device, dtype=torch.long)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(f"token_ids must lie in [0, {vocab}), got range [{int(ids.min())}, {int(ids.max())}]")
+    ids = _token_indices(token_ids, response_mask, chunk_size, weight.shape[0], hidden.device,
+                         f"rows of weight {tuple(weight.shape)}")
 
     flat = hidden.reshape(-1, hidden.shape[-1])
     w = weight.to(torch.float32)
@@ -312,7 +319,5 @@ def sampler_logprobs_from_hidden(
             processed[rows] = x.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
     shape = token_ids.shape
     full, processed = full.reshape(shape), processed.reshape(shape)
-    outside = torch.isneginf(processed)
-    if response_mask is not None:
-        outside = outside & response_mask.to(device=outside.device).bool()
+    outside = _outside_kept_set(processed, response_mask)
     return HeadLogprobs(full=full, processed=processed, outside_mask=outside, num_outside=int(outside.sum()))
