@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -236,6 +238,7 @@ def test_hydra_compose_of_verls_config_validates_into_correction_config():
         env = config.ray_kwargs.ray_init.runtime_env.env_vars
         assert CorrectionConfig.from_dict(json.loads(env[adapter.ENV_CONFIG])) == cfg
         assert adapter.ENV_SAMPLER not in env  # top_k/top_p off: no sampler-aware pass
+        assert adapter.MODULE in env["VERL_USE_EXTERNAL_MODULES"].split(",")  # every Ray process imports us
         assert adapter.active_config() == cfg
         actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # verl's dataclasses still build
         assert actor.policy_loss.loss_mode == "gspo"
@@ -275,6 +278,12 @@ def test_preset_and_an_existing_external_lib():
 def test_top_p_turns_on_the_sampler_aware_pass_for_every_ray_actor():
     config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate",
                           "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20")
+    if not adapter._has_v1_trainer():
+        # verl 0.8: main_ppo drops the actor's extra log-prob outputs, main_ppo_sync's driver step is out of reach
+        with pytest.raises(ValueError, match=r"sampler-aware pi_old .*needs verl's V1 trainer \(verl >= 0\.9\)"):
+            adapter.configure_verl(config)
+        assert adapter.active_config() is None
+        return
     try:
         adapter.configure_verl(config)
         env = config.ray_kwargs.ray_init.runtime_env.env_vars
@@ -283,6 +292,77 @@ def test_top_p_turns_on_the_sampler_aware_pass_for_every_ray_actor():
     finally:
         adapter.set_active_config(None)
     assert adapter.active_sampler() is None
+
+
+def test_the_ray_job_imports_the_adapter_after_the_users_own_modules(monkeypatch):
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "my_platform,my_models")
+    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate")
+    try:
+        adapter.configure_verl(config)
+        env = config.ray_kwargs.ray_init.runtime_env.env_vars
+        assert env["VERL_USE_EXTERNAL_MODULES"] == f"my_platform,my_models,{adapter.MODULE}"
+    finally:
+        adapter.set_active_config(None)
+
+
+def test_bypass_with_rejection_needs_the_v1_trainer_under_a_transferqueue_trainer():
+    """verl 0.8's main_ppo_sync (transfer_queue.enable=true): old_log_probs := rollout_log_probs cannot reach
+    the loss; verl 0.9's V1 trainer (and any legacy trainer: the batch itself travels on) takes it."""
+    config = compose_verl("+rollout_parity.old_logprob_source=bypass", "+rollout_parity.rollout_rejection=[seq_sum_k3]",
+                          "+rollout_parity.rollout_rejection_threshold=0.001", "transfer_queue.enable=true")
+    try:
+        if adapter._has_v1_trainer():
+            assert adapter.configure_verl(config).old_logprob_source == "bypass"
+            assert config.algorithm.rollout_correction.bypass_mode is False  # pi_old's pass stays
+        else:
+            with pytest.raises(ValueError, match=r"bypass with rollout_rejection.*main_ppo_sync"):
+                adapter.configure_verl(config)
+        legacy = compose_verl("+rollout_parity.old_logprob_source=bypass", "+rollout_parity.rollout_rejection=[seq_sum_k3]",
+                              "+rollout_parity.rollout_rejection_threshold=0.001")
+        assert adapter.configure_verl(legacy).rollout_rejection == ("seq_sum_k3",)
+    finally:
+        adapter.set_active_config(None)
+
+
+@pytest.mark.slow
+def test_the_flags_reach_every_ray_process_and_configuring_after_ray_started_without_them_is_refused(tmp_path):
+    """verl's own run_ppo on a local Ray: the TaskRunner and an actor it starts (as RayWorkerGroup does) see the
+    flags and have the adapter applied, though the launcher has no VERL_USE_EXTERNAL_MODULES; verl 0.8's
+    re-validation inside the TaskRunner passes; different flags after ray.init are refused (support module)."""
+    import shutil
+    import tempfile
+
+    from integration_tests.support.verl_main_ppo import end_session
+
+    ray_tmp = tempfile.mkdtemp(prefix="rp-ray-")  # Ray's sockets must fit an AF_UNIX path (107 bytes)
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
+    env.update(RAY_TMPDIR=ray_tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.Popen([sys.executable, "-m", "integration_tests.support.verl_ray_flags", str(tmp_path / "probe.json")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        end_session(proc.pid)  # whatever Ray left in the run's own session
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT_JSON ")]
+    assert proc.returncode == 0 and lines, out[-4000:]
+    result = json.loads(lines[-1].removeprefix("RESULT_JSON "))
+    expected = CorrectionConfig.preset("tis_srs_k3").to_dict()
+    assert result["driver_env_modules"] is None
+    assert adapter.MODULE in result["job_env"]["VERL_USE_EXTERNAL_MODULES"].split(",")
+    pids = {result[who]["pid"] for who in ("driver", "runner", "worker")}
+    assert len(pids) == 3  # three processes
+    for who in ("driver", "runner", "worker"):
+        state = result[who]
+        assert state["adapter_loaded"] and state["applied"], who
+        assert CorrectionConfig.from_dict(state["flags"]).to_dict() == expected, who
+    assert result["worker"]["rank_env"] == "0"  # the worker's own env_vars merged with the job's
+    assert CorrectionConfig.from_dict(result["runner_revalidated"]).to_dict() == expected
+    assert result["driver_reconfigured"]
+    for who in ("runner_other_flags", "driver_other_flags"):
+        assert "Ray is already initialized" in result[who] and adapter.ENV_CONFIG in result[who], who
 
 
 VALID_RUN = ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
@@ -307,17 +387,47 @@ def test_verls_patched_validate_config_configures_then_validates():
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
 
 
-def test_a_real_main_ppo_command_line_rejects_a_bad_flag_at_start(tmp_path):
-    """``python -m verl.trainer.main_ppo ... +rollout_parity.<bad>`` fails before Ray starts."""
+def _real_command_line(tmp_path, module, *overrides):
+    # VERL_USE_EXTERNAL_MODULES: what the docs tell verl 0.8 users (no verl.plugins entry points there)
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=adapter.MODULE, HYDRA_FULL_ERROR="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", *BASE_OVERRIDES, *VALID_RUN,
-         "+rollout_parity.rollout_importance_sampling_mode=token_clip", f"hydra.run.dir={tmp_path}"],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
+    return subprocess.run([sys.executable, "-m", module, *BASE_OVERRIDES, *VALID_RUN, *overrides,
+                           f"hydra.run.dir={tmp_path}"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_a_real_main_ppo_command_line_rejects_a_bad_flag_at_start(tmp_path):
+    """``python -m verl.trainer.main_ppo ... +rollout_parity.<bad>`` fails before Ray starts (verl 0.8's
+    main_ppo validates only inside its Ray TaskRunner: our check runs in ``auto_set_device``)."""
+    proc = _real_command_line(tmp_path, "verl.trainer.main_ppo", "+rollout_parity.rollout_importance_sampling_mode=token_clip")
     assert proc.returncode != 0
     assert "rollout_importance_sampling_mode: unknown mode 'token_clip'" in proc.stderr
     assert "ray init kwargs" not in proc.stdout  # stopped before run_ppo
+
+
+def test_a_real_main_ppo_command_line_hands_the_flags_to_ray_init(tmp_path):
+    """The validated flags are in the runtime_env verl's run_ppo passes to ``ray.init`` (stopped right there by
+    a keyword ray.init does not know)."""
+    proc = _real_command_line(tmp_path, "verl.trainer.main_ppo", "+rollout_parity.preset=tis_srs_k3",
+                              "+ray_kwargs.ray_init.rollout_parity_test_stop=1")
+    assert "Unknown keyword argument(s): rollout_parity_test_stop" in proc.stderr, proc.stderr[-3000:]
+    configured = proc.stdout.index("[rollout-parity] verl configured")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("ray init kwargs: "))
+    assert configured < proc.stdout.index(line)
+    ray_init = ast.literal_eval(line.removeprefix("ray init kwargs: "))
+    env_vars = ray_init["runtime_env"]["env_vars"]
+    assert CorrectionConfig.from_dict(json.loads(env_vars[adapter.ENV_CONFIG])) == CorrectionConfig.preset("tis_srs_k3")
+    assert adapter.MODULE in env_vars["VERL_USE_EXTERNAL_MODULES"].split(",")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("verl.trainer.main_ppo_sync") is None,
+                    reason="verl >= 0.9 has no main_ppo_sync (its V1 trainer replaced it)")
+def test_verl_08s_main_ppo_sync_refuses_bypass_with_rejection_at_start(tmp_path):
+    proc = _real_command_line(tmp_path, "verl.trainer.main_ppo_sync", "+rollout_parity.old_logprob_source=bypass",
+                              "+rollout_parity.rollout_rejection=[seq_sum_k3]",
+                              "+rollout_parity.rollout_rejection_threshold=0.001")
+    assert proc.returncode != 0
+    assert "bypass with rollout_rejection" in proc.stderr and "main_ppo_sync" in proc.stderr, proc.stderr[-3000:]
+    assert "ray init kwargs" not in proc.stdout
 
 
 @pytest.mark.parametrize("overrides, flag", [
@@ -645,8 +755,10 @@ def test_a_rejected_reward_token_leaves_the_score(active):
 
 
 def _driver_step(case):
+    # verl imports the adapter first, as in a run (verl 0.8 has no plugin entry points: the env variable)
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=adapter.MODULE)
     proc = subprocess.run([sys.executable, "-m", "integration_tests.support.verl_v1_driver", case], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT_JSON ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("RESULT_JSON "))
@@ -666,6 +778,19 @@ def test_verls_v1_driver_step_runs_our_correction_before_grpo():
     bypass = _driver_step("bypass")
     assert bypass["mask_equal"] and bypass["rejected_rows"] and bypass["adv_max_diff"] < 1e-5
     assert bypass["old_is_rollout"]  # the loss will see pi_rollout as old_log_probs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("verl.trainer.main_ppo_sync") is None,
+                    reason="verl >= 0.9 has no main_ppo_sync (its V1 trainer replaced it)")
+def test_verl_08s_main_ppo_sync_driver_step_runs_our_correction_before_grpo():
+    """verl 0.8's TransferQueue trainer (its PPOTrainer._compute_advantage), decoupled with the full pi_old."""
+    result = _driver_step("decoupled_full")
+    assert result["trainer"] == "verl.trainer.main_ppo_sync"
+    assert result["patched"]  # main_ppo_sync's by-name import of verl's helper is our hook
+    assert result["mask_equal"] and result["weights_max_diff"] < 1e-6
+    assert result["rejected_rows"] == [1, 6]
+    assert result["adv_max_diff"] < 1e-5  # GRPO over the kept siblings only
+    assert result["metrics_equal"] and "rollout_correction/rejected_seq_frac" in result["metric_keys"]
 
 
 # ============================================================================= packaging

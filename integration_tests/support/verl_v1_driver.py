@@ -7,11 +7,16 @@ installed TransferQueue is shadowed, never touched). Everything else is verl's o
 nested-to-padded round trip, the correction call, GRPO advantages and the write-back. The real
 TransferQueue runs in ``test_verl_main_ppo.py``. Run in its own process; prints one JSON line.
 
-    python -m integration_tests.support.verl_v1_driver decoupled|bypass
+    python -m integration_tests.support.verl_v1_driver decoupled|bypass|decoupled_full
 
 ``decoupled``: TIS + seq_sum_k3 with a sampler-aware pi_old in the store (as the actor's
 log-prob pass writes it: one value per position of prompt + response); ``bypass``: bypass
-with rejection, after which the store's ``old_log_probs`` must be the rollout logprobs.
+with rejection, after which the store's ``old_log_probs`` must be the rollout logprobs;
+``decoupled_full``: TIS + seq_sum_k3 with verl's full-vocabulary pi_old (no top-k/top-p).
+
+The trainer is verl 0.9's V1 ``verl.trainer.ppo.v1.trainer_base``, or on verl 0.8 the same
+step of ``verl.trainer.main_ppo_sync`` imported as a module (only ``decoupled_full`` there: the
+adapter refuses the other two on verl 0.8, whose main_ppo_sync runs as ``__main__``).
 """
 
 from __future__ import annotations
@@ -58,13 +63,17 @@ def main(case: str) -> dict:
     store: dict = {}
     sys.modules["transfer_queue"] = _stand_in_transfer_queue(store)
 
+    import importlib
+    import importlib.util
+
     import torch
     from omegaconf import OmegaConf
-    from verl.trainer.ppo.v1 import trainer_base
 
     from rollout_parity import CorrectionConfig, compute_correction
     from rollout_parity.adapters import verl as adapter
 
+    v1 = importlib.util.find_spec("verl.trainer.ppo.v1") is not None
+    trainer_base = importlib.import_module("verl.trainer.ppo.v1.trainer_base" if v1 else "verl.trainer.main_ppo_sync")
     patched = hasattr(trainer_base.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
     if case == "bypass":
         cfg = CorrectionConfig(old_logprob_source="bypass", rollout_rejection=["seq_sum_k3"],
@@ -74,7 +83,7 @@ def main(case: str) -> dict:
         cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate",
                                rollout_importance_sampling_threshold=1.5, rollout_rejection=["seq_sum_k3"],
                                rollout_rejection_threshold=0.05)
-        sampler = adapter.SamplerSpec(top_p=0.9)
+        sampler = adapter.SamplerSpec(top_p=0.9) if case == "decoupled" else None
     adapter.set_active_config(cfg, sampler)
 
     g = torch.Generator().manual_seed(0)
@@ -83,7 +92,8 @@ def main(case: str) -> dict:
     lengths = torch.randint(3, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None] < lengths[:, None]).float()
     processed = -torch.rand(B, T, generator=g) * 2 - 0.05  # pi_old renormalised over the kept set
-    old = processed - 0.1  # verl's full-vocabulary pi_old: log S = -0.1 below it
+    # verl's full-vocabulary pi_old: log S = -0.1 below it under top_p; the same without a filter
+    old = processed - 0.1 if case == "decoupled" else processed
     rollout = processed + torch.randn(B, T, generator=g) * 0.02
     rollout[1] += 0.4
     rollout[6] -= 0.5
@@ -131,6 +141,7 @@ def main(case: str) -> dict:
             sib = torch.stack([scores[j] for j in range(B) if uid[j] == uid[i] and kept[j]])
             expected_adv[i] = (scores[i] - sib.mean()) / (sib.std() + 1e-6) * core.mask[i]
     result = {
+        "trainer": trainer_base.__name__,
         "patched": patched,
         "mask_equal": torch.equal(padded("response_mask").float(), core.mask),
         "adv_max_diff": (padded("advantages") - expected_adv).abs().max().item(),
@@ -142,6 +153,7 @@ def main(case: str) -> dict:
         result["old_is_rollout"] = torch.equal(padded("old_log_probs") * mask, rollout * mask)
     else:
         result["weights_max_diff"] = (padded("rollout_is_weights") - core.weights).abs().max().item()
+    if case == "decoupled":
         # with verl's full-vocabulary pi_old the log S = -0.1 bias would have changed weights and rejection
         biased = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
         result["sampler_old_used"] = result["weights_max_diff"] < 1e-6 and not torch.allclose(

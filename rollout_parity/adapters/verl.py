@@ -9,17 +9,20 @@ adapter only hands it our weights and masks through the two channels every verl 
 reads, ``rollout_is_weights`` and ``response_mask`` (STYLE.md rule 3; DESIGN.md "How an
 adapter meets its framework").
 
-How it is loaded: verl imports this module in every process through the package's
-``verl.plugins`` entry point (or ``VERL_USE_EXTERNAL_MODULES=rollout_parity.adapters.verl``),
-and the run adds it to ``actor_rollout_ref.model.external_lib`` so every worker imports it
-loudly. Importing it calls :func:`apply`, which wraps these verl names (each wrapper is built
-with ``functools.wraps``, marked ``__rollout_parity_patch__``, and passes straight through
-while no rollout-parity flags are set in the process):
+How it is loaded: verl >= 0.9 imports this module in every process through the package's
+``verl.plugins`` entry point; verl 0.8 has no plugin entry points, so there the command line
+needs ``VERL_USE_EXTERNAL_MODULES=rollout_parity.adapters.verl`` (without it verl never sees
+the adapter and ignores the ``+rollout_parity.*`` overrides). The run then puts the module into
+that variable of the Ray job and into ``actor_rollout_ref.model.external_lib``, so every Ray
+process imports it. Importing it calls :func:`apply`, which wraps these verl names (each
+wrapper is built with ``functools.wraps``, marked ``__rollout_parity_patch__``, and passes
+straight through while no rollout-parity flags are set in the process):
 
 ========================================================  ==============================================
 verl name (where it is looked up, too)                    what the wrapper adds
 ========================================================  ==============================================
-``verl.utils.config.validate_config``                     :func:`configure_verl` first (main process)
+``verl.utils.device.auto_set_device``                     :func:`configure_verl` (driver, before Ray starts)
+``verl.utils.config.validate_config``                     :func:`configure_verl` first (again: idempotent)
 ``rollout_corr_helper.compute_rollout_correction_and_     the correction, once per batch, on the driver:
 add_to_batch``                                            ``response_mask``, ``rollout_is_weights``
 ``core_algos.get_policy_loss_fn``                         the chosen loss, wrapped: bad-input handling,
@@ -28,9 +31,13 @@ add_to_batch``                                            ``response_mask``, ``r
 ``FSDPEngine._build_module``                              ``apply_fp32_lm_head`` (``fp32_lm_head``)
 ``FSDPEngineWithLMHead.forward_step``                     sampler-aware pi_old in the log-prob pass
 ``models.transformers.monkey_patch.is_trl_available``     False when TRL lacks the value-head class
-``PPOTrainer._compute_advantage`` (TransferQueue          the batch's keys, so the driver hook can read
-trainers)                                                 and write fields verl does not pass it
+``PPOTrainer._compute_advantage`` (verl 0.9's V1          the batch's keys, so the driver hook can read
+trainer)                                                  and write fields verl does not pass it
 ========================================================  ==============================================
+
+The flags reach verl's Ray processes as environment variables of the Ray job, written into
+``ray_kwargs.ray_init.runtime_env`` before verl's ``run_ppo`` calls ``ray.init``; configuring
+after Ray started without them is refused (:func:`_check_ray_carries`).
 
 Names verl imports at its own import time are wrapped where they are looked up as well
 (``v1/trainer_base``, ``main_ppo``, ``losses``, ``engine_workers``). :func:`revert` puts every
@@ -68,7 +75,9 @@ verl's full-vocabulary ``old_log_probs``.
 ``algorithm.rollout_correction.rollout_is``/``rollout_rs`` or ``loss_mode=bypass_mode`` (the
 mismatch would be corrected twice); ``fp32_lm_head`` or sampler-aware π_old outside the FSDP
 actor, with fused kernels, or with Ulysses sequence parallelism (our hooks live in the FSDP
-engine's unfused head pass); a vLLM engine kwarg contradicting the parity recipe.
+engine's unfused head pass); a vLLM engine kwarg contradicting the parity recipe. On verl 0.8
+(no V1 trainer): sampler-aware π_old, and bypass with rejection under ``main_ppo_sync``
+(``transfer_queue.enable=true``), whose driver step runs as ``__main__`` beyond our reach.
 
 Math: ../shared/DESIGN.md and ``rollout_parity.core``; nothing of verl's loss is re-implemented.
 docs/verl.md lists verl's semantics where the modes overlap.
@@ -80,6 +89,7 @@ import contextvars
 import functools
 import importlib
 import importlib.abc
+import importlib.util
 import json
 import logging
 import math
@@ -118,6 +128,7 @@ logger = logging.getLogger(__name__)
 TESTED_VERL = ">=0.8.0,<0.10"
 #: Every verl name the adapter wraps or calls, checked before a run starts (``configure_verl``).
 REQUIRED_VERL_NAMES = (
+    "verl.utils.device.auto_set_device",
     "verl.utils.config.validate_config",
     "verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_add_to_batch",
     "verl.trainer.ppo.core_algos.get_policy_loss_fn",
@@ -312,8 +323,10 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
 
     Returns the ``CorrectionConfig`` (None, config untouched, when there is no block). Raises
     ``ValueError`` naming the flag on a bad value, on double correction, on what cannot be
-    expressed (module docstring, "Refused"), and ``FrameworkAPIError`` when the installed verl
-    lacks a name the adapter needs. Every change to verl's config is printed as ``key: old -> new``.
+    expressed (module docstring, "Refused"), ``FrameworkAPIError`` when the installed verl
+    lacks a name the adapter needs, and ``RuntimeError`` when Ray already runs without these
+    flags (:func:`_check_ray_carries`). Every change to verl's config is printed as
+    ``key: old -> new``; configuring the same config again changes and prints nothing.
     """
     cfg = correction_config_from_verl(config)
     if cfg is None:
@@ -331,9 +344,23 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         if _select(config, "trainer.use_v1", None) is False:
             raise ValueError(f"{what}: trainer.use_v1=false; the processed pi_old reaches the driver through "
                              "verl's TransferQueue trainer (trainer.use_v1=true, verl's default)")
+        if not _has_v1_trainer():
+            raise ValueError(f"{what}: needs verl's V1 trainer (verl >= 0.9); verl {_verl_version()}'s main_ppo "
+                             "keeps only log_probs and entropy of the actor's log-prob pass, and its main_ppo_sync "
+                             "runs its PPOTrainer as __main__, where the driver hook cannot be handed the "
+                             "TransferQueue batch")
     # Bypass with rejection keeps verl's pi_old pass: the rejection statistic (and with it the
     # baselines) needs the trainer's logprobs before the advantages (module docstring).
     verl_bypass = cfg.old_logprob_source == "bypass" and cfg.rollout_rejection is None
+    if (cfg.old_logprob_source == "bypass" and cfg.rollout_rejection is not None and not _has_v1_trainer()
+            and _select(config, "transfer_queue.enable", False)):
+        raise ValueError(
+            f"old_logprob_source=bypass with rollout_rejection: on verl {_verl_version()} with "
+            "transfer_queue.enable=true (main_ppo_sync) the loss would keep the recomputed pi_old; the driver "
+            "hook writes old_log_probs := rollout_log_probs into the TransferQueue only in verl >= 0.9's V1 "
+            "trainer (main_ppo_sync runs its PPOTrainer as __main__). Use verl's main_ppo here, or verl >= 0.9")
+    carried = _carried_env(cfg, sampler if sampler_aware else None)
+    _check_ray_carries(carried)
 
     before = OmegaConf.to_container(config, resolve=False)
     with open_dict(config):
@@ -352,7 +379,6 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         if config.algorithm.get("rollout_correction", None) is None:
             config.algorithm.rollout_correction = {"rollout_is": None, "rollout_rs": None}
         config.algorithm.rollout_correction.bypass_mode = verl_bypass
-        payload = json.dumps(cfg.to_dict(), sort_keys=True)
         if config.get("ray_kwargs", None) is None:
             config.ray_kwargs = {}
         if config.ray_kwargs.get("ray_init", None) is None:
@@ -362,16 +388,25 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
             ray_init.runtime_env = {}
         if ray_init.runtime_env.get("env_vars", None) is None:
             ray_init.runtime_env.env_vars = {}
-        ray_init.runtime_env.env_vars[ENV_CONFIG] = payload
-        if sampler_aware:
-            ray_init.runtime_env.env_vars[ENV_SAMPLER] = json.dumps(sampler.__dict__, sort_keys=True)
+        env_vars = ray_init.runtime_env.env_vars
+        for key in (ENV_CONFIG, ENV_SAMPLER):
+            if carried[key] is None:
+                env_vars.pop(key, None)
+            else:
+                env_vars[key] = carried[key]
+        # verl < 0.9 has no verl.plugins entry points: every Ray process (on every node) imports the
+        # adapter at ``import verl`` only through this variable.
+        env_vars[_ENV_MODULES] = _with_module(env_vars.get(_ENV_MODULES, os.environ.get(_ENV_MODULES, "")))
         config[CONFIG_KEY] = cfg.to_dict()
+    repeat = active_config() == cfg
     set_active_config(cfg, sampler if sampler_aware else None)
     changes = _changed_keys(before, OmegaConf.to_container(config, resolve=False))
+    if repeat and not changes:
+        return cfg  # configured before (verl calls more than one of our hooks with the same config)
     # One visible line at start: verl logs a plugin that fails to import only at DEBUG, so a
     # missing line means the adapter did not run (STYLE.md rule 11).
     print(f"[rollout-parity] verl configured: loss_mode={_select(config, 'actor_rollout_ref.actor.policy_loss.loss_mode', 'vanilla')} "
-          f"(unchanged), flags={payload}"
+          f"(unchanged), flags={carried[ENV_CONFIG]}"
           + (f", sampler-aware pi_old for top_k={sampler.top_k} top_p={sampler.top_p}" if sampler_aware else ""),
           flush=True)
     for line in changes:
@@ -380,6 +415,52 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         logger.warning("off_policy_sequence_mask_delta in verl decoupled mode: the loss does not see rollout "
                        "logprobs, so the behaviour policy of the off-policy mask is pi_old (DESIGN.md fallback)")
     return cfg
+
+
+_ENV_MODULES = "VERL_USE_EXTERNAL_MODULES"
+
+
+def _verl_version() -> str:
+    return getattr(verl, "__version__", "?")
+
+
+def _has_v1_trainer() -> bool:
+    """verl >= 0.9's TransferQueue trainer (``verl.trainer.ppo.v1``), whose driver step we can reach."""
+    return importlib.util.find_spec("verl.trainer.ppo.v1") is not None
+
+
+def _with_module(modules: str) -> str:
+    names = [m for m in str(modules).split(",") if m]
+    return ",".join(names if MODULE in names else names + [MODULE])
+
+
+def _carried_env(cfg: CorrectionConfig, sampler: Optional[SamplerSpec]) -> dict[str, Optional[str]]:
+    """The environment every Ray process of the run needs (None: must be absent)."""
+    return {ENV_CONFIG: json.dumps(cfg.to_dict(), sort_keys=True),
+            ENV_SAMPLER: json.dumps(sampler.__dict__, sort_keys=True) if sampler is not None else None}
+
+
+def _check_ray_carries(carried: dict[str, Optional[str]]) -> None:
+    """Refuse when Ray already runs without the flags: they would never reach verl's workers.
+
+    The flags travel as environment variables of the Ray job (``ray_kwargs.ray_init.runtime_env``,
+    which verl's ``run_ppo`` hands to ``ray.init``): Ray gives them to every actor of the job on
+    every node, including the actors the TaskRunner starts. A variable set in a running process
+    reaches none of them. So configuring after ``ray.init`` works only where the job already
+    carries these very flags (verl 0.8's main_ppo re-validates inside its TaskRunner).
+    """
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return  # verl's run_ppo starts Ray with the runtime_env written above
+    job = dict(ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    wrong = sorted(k for k, v in carried.items() if job.get(k) != v)
+    if wrong:
+        raise RuntimeError(
+            f"rollout-parity: Ray is already initialized and its job environment lacks (or differs in) {wrong}, "
+            "so the validated flags would not reach verl's Ray workers. Configure before ray.init: let verl's "
+            "main_ppo/run_ppo start Ray, or start it with "
+            "ray.init(runtime_env=OmegaConf.to_container(config.ray_kwargs.ray_init.runtime_env)) after "
+            "rollout_parity.adapters.verl.configure_verl(config)")
 
 
 def _changed_keys(before: Any, after: Any, prefix: str = "") -> list[str]:
@@ -792,6 +873,24 @@ def _wrap_validate(original: Callable) -> Callable:
     return validate_config
 
 
+def _wrap_auto_set_device(original: Callable) -> Callable:
+    """The first verl call of every entry point with the composed config, before Ray starts.
+
+    verl 0.9's ``main_ppo.main`` validates the config before ``run_ppo``, but verl 0.8's
+    ``main_ppo`` validates only inside its Ray TaskRunner, after ``ray.init``: too late for the
+    flags to ride the Ray job's environment (:func:`_check_ray_carries`). Every ``main`` of
+    verl 0.8 and 0.9 (``main_ppo``, ``main_ppo_sync``, the fully-async and one-step-off-policy
+    recipes) calls ``auto_set_device(config)`` first, in the driver process.
+    """
+    @functools.wraps(original)
+    def auto_set_device(config, *args, **kwargs):
+        result = original(config, *args, **kwargs)
+        configure_verl(config)
+        return result
+
+    return auto_set_device
+
+
 # ============================================================================= the actor (workers)
 
 def _wrap_build_module(original: Callable) -> Callable:
@@ -934,7 +1033,10 @@ class _PatchPoint:
 
 
 _PATCH_POINTS: tuple[_PatchPoint, ...] = (
-    _PatchPoint("verl.utils.config", "validate_config", _wrap_validate, callers=("verl.trainer.main_ppo",),
+    _PatchPoint("verl.utils.device", "auto_set_device", _wrap_auto_set_device,
+                callers=("verl.trainer.main_ppo", "verl.trainer.main_ppo_sync"), eager=True),
+    _PatchPoint("verl.utils.config", "validate_config", _wrap_validate,
+                callers=("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0", "verl.trainer.main_ppo_sync"),
                 eager=True),
     _PatchPoint("verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch", _wrap_helper,
                 callers=("verl.trainer.ppo.v1.trainer_base", "verl.trainer.main_ppo_sync"), eager=True),
@@ -945,10 +1047,10 @@ _PATCH_POINTS: tuple[_PatchPoint, ...] = (
     _PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine._build_module", _wrap_build_module),
     _PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.forward_step", _wrap_forward_step),
     _PatchPoint("verl.models.transformers.monkey_patch", "is_trl_available", _wrap_is_trl_available),
-    # the TransferQueue trainers: verl 0.9's V1 trainer, verl 0.8's main_ppo_sync
+    # verl 0.9's V1 trainer. verl 0.8's main_ppo_sync has the same method, but ``python -m`` runs
+    # that module as __main__ and Ray pickles its PPOTrainer by value: no import to patch on, so
+    # what needs this hook is refused there at start (configure_verl).
     _PatchPoint("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage", _wrap_compute_advantage,
-                optional=True),
-    _PatchPoint("verl.trainer.main_ppo_sync", "PPOTrainer._compute_advantage", _wrap_compute_advantage,
                 optional=True),
 )
 
