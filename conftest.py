@@ -38,6 +38,10 @@ _outcomes: dict[str, Counter] = defaultdict(Counter)
 def pytest_configure(config):
     for name, what in FRAMEWORK_MARKERS.items():
         config.addinivalue_line("markers", f"{name}: runs {what}")
+    # TRL 1.15's fused log-prob head is Triton-only; the compat runs (scripts/compat.sh) need a CPU one.
+    from integration_tests.support.trl_cpu_head import install as install_trl_cpu_head
+
+    install_trl_cpu_head()
 
 
 def pytest_runtest_logreport(report):
