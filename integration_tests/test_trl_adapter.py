@@ -342,6 +342,13 @@ def test_missing_private_name_and_untested_version(run, monkeypatch):
     with pytest.raises(_compat.FrameworkAPIError, match=r"GRPOTrainer\._generate, .*>=1\.15,<1\.17"):
         trl_adapter.apply(trainer, CorrectionConfig(rollout_importance_sampling_mode="token_mask"))
     monkeypatch.undo()
+    import trl.trainer.utils
+
+    monkeypatch.delattr(trl.trainer.utils, "add_fused_lm_head")  # TRL 1.14 (scripts/compat.sh ran it: refused)
+    with pytest.raises(_compat.FrameworkAPIError, match=r"trl\.trainer\.utils\.add_fused_lm_head"):
+        trl_adapter.apply(trainer, CorrectionConfig(rollout_importance_sampling_mode="token_mask"))
+    assert trainer.rollout_correction == CORRECTION  # nothing changed
+    monkeypatch.undo()
     monkeypatch.setattr(_compat, "installed_version", lambda dists: "1.14.0")
     monkeypatch.setattr(_compat, "_warned", set())
     with pytest.warns(_compat.UntestedFrameworkVersionWarning, match=">=1.15,<1.17"):

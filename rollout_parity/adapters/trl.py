@@ -66,8 +66,11 @@ logger = logging.getLogger(__name__)
 TESTED_TRL = ">=1.15,<1.17"
 _PATCHED = ("_generate", "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
 #: Every private TRL name the adapter patches or calls, checked before anything is patched.
+#: ``add_fused_lm_head`` (TRL 1.15+) is what makes ``cast_lm_head_to_fp32`` an fp32 projection of the
+#: weights as they are; TRL 1.14 answers the same flag by turning the head (tied: the embeddings) into
+#: fp32 parameters, which changes what the optimizer trains, so 1.14 is refused here, not half-run.
 REQUIRED_TRL_NAMES = tuple(f"trl.trainer.grpo_trainer.GRPOTrainer.{name}" for name in _PATCHED) + (
-    "trl.trainer.utils.maybe_gather_lm_head_ctx",)
+    "trl.trainer.utils.maybe_gather_lm_head_ctx", "trl.trainer.utils.add_fused_lm_head")
 _TRL_RATIO_FIELDS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
                      "vllm_importance_sampling_clip_min")
 #: Trainer attributes (set in ``GRPOTrainer.__init__``) the adapter reads or sets.
