@@ -65,10 +65,7 @@ logger = logging.getLogger(__name__)
 #: TRL releases this adapter is tested with (the ``trl`` extra declares the same range).
 TESTED_TRL = ">=1.15,<1.17"
 _PATCHED = ("_generate", "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
-#: Every private TRL name the adapter patches or calls, checked before anything is patched.
-#: ``add_fused_lm_head`` (TRL 1.15+) is what makes ``cast_lm_head_to_fp32`` an fp32 projection of the
-#: weights as they are; TRL 1.14 answers the same flag by turning the head (tied: the embeddings) into
-#: fp32 parameters, which changes what the optimizer trains, so 1.14 is refused here, not half-run.
+#: Private TRL names used, checked before patching. Before 1.15's fused head, fp32_lm_head made fp32 parameters.
 REQUIRED_TRL_NAMES = tuple(f"trl.trainer.grpo_trainer.GRPOTrainer.{name}" for name in _PATCHED) + (
     "trl.trainer.utils.maybe_gather_lm_head_ctx", "trl.trainer.utils.add_fused_lm_head")
 _TRL_RATIO_FIELDS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
