@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 #: TRL releases this adapter is tested with (the ``trl`` extra declares the same range).
 TESTED_TRL = ">=1.15,<1.17"
 _PATCHED = ("_generate", "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
-#: Private TRL names used, checked before patching. Before 1.15's fused head, fp32_lm_head made fp32 parameters.
+#: Private TRL names used, checked before patching. Before the fused head (1.15) cast_lm_head_to_fp32 made fp32 params.
 REQUIRED_TRL_NAMES = tuple(f"trl.trainer.grpo_trainer.GRPOTrainer.{name}" for name in _PATCHED) + (
     "trl.trainer.utils.maybe_gather_lm_head_ctx", "trl.trainer.utils.add_fused_lm_head")
 _TRL_RATIO_FIELDS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
