@@ -20,7 +20,7 @@ import torch
 
 from integration_tests.support.nemo_anchor import ANCHORS, skip_unless_available
 from integration_tests.support.nemo_dp_worker import build
-from integration_tests.support.nemo_gym_live import free_port
+from integration_tests.support.processes import free_port
 from integration_tests.support.nemo_harness import aggregate, load, train_step
 
 pytestmark = [pytest.mark.nemo_rl]

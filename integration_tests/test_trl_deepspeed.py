@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -27,21 +26,16 @@ from rollout_parity.testing.stack import need
 need("trl", extra="trl")
 need("deepspeed", extra="deepspeed")
 
+from integration_tests.support.processes import free_port  # noqa: E402
 from integration_tests.support.trl_runs import subprocess_env  # noqa: E402
 
 pytestmark = [pytest.mark.trl, pytest.mark.deepspeed, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("trl-ds") / "report.json"
-    env = subprocess_env(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+    env = subprocess_env(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                          LOCAL_RANK="0", WORLD_SIZE="1", PYTHONPATH=os.getcwd())
     proc = subprocess.run([sys.executable, "-m", "integration_tests.support.trl_deepspeed_step", str(path)],
                           capture_output=True, text=True, env=env, timeout=900, cwd=os.getcwd())

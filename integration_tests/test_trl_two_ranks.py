@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -31,6 +30,7 @@ need("trl", extra="trl")
 import torch  # noqa: E402
 
 from integration_tests.shared_batch import B, T, config_for, make_shared_batch  # noqa: E402
+from integration_tests.support.processes import free_port  # noqa: E402
 from integration_tests.support.trl_batches import pretend_vllm_trainer, through_trl  # noqa: E402
 from integration_tests.support.trl_runs import subprocess_env  # noqa: E402
 from integration_tests.support.trl_two_ranks import CONFIGS, LOSS_TYPES  # noqa: E402
@@ -39,18 +39,12 @@ from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
 pytestmark = [pytest.mark.trl, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("trl-2ranks")
     env = subprocess_env(PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "integration_tests.support.trl_two_ranks", str(out)]
+           "--master_port", str(free_port()), "-m", "integration_tests.support.trl_two_ranks", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=os.getcwd())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator, Optional
+
+from .processes import free_port, stop
 
 REPO = Path(__file__).resolve().parents[2]
 GYM_SERVER = Path(__file__).with_name("nemo_gym_server.py")
@@ -57,12 +58,6 @@ def build_eos_model(path: Path) -> str:
     return str(path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_json(url: str, body: Optional[dict] = None, timeout: float = 120.0) -> dict:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -95,13 +90,7 @@ def _process(cmd: list[str], env: dict, log: Path, ready_url: str, timeout: floa
         _wait(ready_url, proc, log, timeout)
         yield
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+        stop(proc)
 
 
 @contextlib.contextmanager

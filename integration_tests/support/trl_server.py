@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,9 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from .processes import free_port, stop
+
 __all__ = ["vllm_openai_server", "cpu_weight_transfer_stub"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -38,7 +33,7 @@ def vllm_openai_server(model: str, flags: Sequence[str], log: Path, timeout: flo
     ``VLLM_SERVER_DEV_MODE=1``: TRL reads ``/server_info`` and calls ``/reset_prefix_cache``, both
     development endpoints.
     """
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0", *flags]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
@@ -60,13 +55,7 @@ def vllm_openai_server(model: str, flags: Sequence[str], log: Path, timeout: flo
                 time.sleep(1.0)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+        stop(proc)
 
 
 @contextlib.contextmanager

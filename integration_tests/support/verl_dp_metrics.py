@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
+
+from .processes import free_port
 
 RANKS = 2
 
@@ -132,12 +133,6 @@ def _worker(rank, port, name, mode, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(name: str, mode: str = "vanilla") -> dict:
     import torch.multiprocessing as mp
     from verl.utils.metric import Metric
@@ -145,7 +140,7 @@ def main(name: str, mode: str = "vanilla") -> dict:
     from rollout_parity.adapters import verl as adapter
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(_free_port(), name, mode, out_dir), nprocs=RANKS, join=True)
+        mp.spawn(_worker, args=(free_port(), name, mode, out_dir), nprocs=RANKS, join=True)
         with open(os.path.join(out_dir, "ranks.json")) as f:
             ranks = json.load(f)
     rows = list(range(8))
