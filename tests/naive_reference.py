@@ -41,7 +41,7 @@ DEFAULTS = {
     "rollout_importance_sampling_sequence_reduction": "geometric_mean",
     "rollout_importance_sampling_sequence_mask_weight": "token",
     "rollout_rejection": None,
-    "rollout_rejection_threshold": None,
+    "rollout_rejection_threshold": None,  # "—": no default, required with rollout_rejection
     "off_policy_sequence_mask_delta": None,
     "old_logprob_source": "recompute",
     "log_rollout_offpolicy_metrics": False,

@@ -10,23 +10,10 @@ import pytest
 import yaml
 
 from rollout_parity import CorrectionConfig
+# DESIGN.md's flag table written out (the naive reference's), so a clone without ../shared checks it too
+from tests.naive_reference import DEFAULTS as DESIGN_DEFAULTS
 
 DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
-
-#: DESIGN.md's flag table (name -> default), written out so a clone without ../shared checks it too.
-DESIGN_DEFAULTS = {
-    "rollout_importance_sampling_mode": None,
-    "rollout_importance_sampling_threshold": 2.0,
-    "rollout_importance_sampling_threshold_lower": None,
-    "rollout_importance_sampling_sequence_reduction": "geometric_mean",
-    "rollout_importance_sampling_sequence_mask_weight": "token",
-    "rollout_rejection": None,
-    "rollout_rejection_threshold": None,  # "—": no default, required with rollout_rejection
-    "off_policy_sequence_mask_delta": None,
-    "old_logprob_source": "recompute",
-    "log_rollout_offpolicy_metrics": False,
-    "fp32_lm_head": False,
-}
 
 
 def design_flag_table():
