@@ -29,7 +29,6 @@ from rollout_parity.testing.stack import need
 
 need("verl", extra="verl")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
@@ -42,26 +41,20 @@ from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
 
 from .shared_batch import all_config_names, config_for, core_reference, load_expected, make_shared_batch  # noqa: E402
+from .support.verl_configs import BASE_OVERRIDES, compose_verl  # noqa: E402
+from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
 
 pytestmark = [pytest.mark.verl]
 
 ATOL = 1e-6
 REPO = Path(__file__).resolve().parents[1]
-VERL_CONFIG_DIR = os.path.join(os.path.dirname(core_algos.__file__), "..", "config")
-BASE_OVERRIDES = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                  "actor_rollout_ref.rollout.name=vllm"]
 OUR_LOSS_METRICS = ("policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_lower")
-
-
-def compose_verl(*overrides: str):
-    with initialize_config_dir(config_dir=os.path.abspath(VERL_CONFIG_DIR), version_base=None):
-        return compose(config_name="ppo_trainer", overrides=[*BASE_OVERRIDES, *overrides])
 
 
 @pytest.fixture(scope="module")
 def actor_config():
     """A real verl ActorConfig (FSDPActorConfig) from verl's own defaults."""
-    return omega_conf_to_dataclass(compose_verl().actor_rollout_ref.actor)
+    return verl_actor_config()
 
 
 @pytest.fixture
@@ -815,8 +808,7 @@ def test_the_example_command_line_passes_verls_validation():
     command = command.replace("$DATA", "/data/gsm8k").replace("$MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
     overrides = [tok for tok in shlex.split(re.sub(r"\\\n", " ", command))[3:]]
     assert overrides[-1] == "+rollout_parity.preset=tis_srs_k3"
-    with initialize_config_dir(config_dir=os.path.abspath(VERL_CONFIG_DIR), version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=overrides)
+    config = compose_verl(*overrides, base=False)
     try:
         verl_config.validate_config(config, use_reference_policy=need_reference_policy(config),
                                     use_critic=need_critic(config))

@@ -12,7 +12,6 @@ valid tokens and on padding (hypothesis, derandomised so a failure reproduces).
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -24,16 +23,15 @@ from rollout_parity.testing.stack import need
 
 need("verl", extra="verl")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
-from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
 
 from .shared_batch import make_shared_batch  # noqa: E402
+from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
 
 pytestmark = [pytest.mark.verl]
 
@@ -43,12 +41,7 @@ BAD = (float("nan"), float("inf"), float("-inf"))
 
 @pytest.fixture(scope="module")
 def actor_config():
-    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=[
-            "actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.rollout.name=vllm"])
-    return omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    return verl_actor_config()
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ For every loss mode and every shared-batch configuration:
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -25,15 +24,14 @@ from rollout_parity.testing.stack import need
 
 need("verl", extra="verl")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
-from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 
 from rollout_parity.adapters import verl as adapter  # noqa: E402
 
 from .shared_batch import all_config_names, config_for, make_shared_batch  # noqa: E402
+from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
 
 pytestmark = [pytest.mark.verl]
 
@@ -43,14 +41,8 @@ NO_CORRECTION = {"rollout_is": None, "rollout_rs": None, "bypass_mode": False}
 
 @pytest.fixture(scope="module")
 def actor_config():
-    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
-    overrides = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                 "actor_rollout_ref.rollout.name=vllm"]
-    if "dro" in LOSS_MODES:  # verl >= 0.9: dro needs its penalty coefficient
-        overrides.append("actor_rollout_ref.actor.policy_loss.dro_beta=0.1")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=overrides)
-    return omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    # verl >= 0.9: dro needs its penalty coefficient
+    return verl_actor_config(*(["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"] if "dro" in LOSS_MODES else []))
 
 
 @pytest.fixture

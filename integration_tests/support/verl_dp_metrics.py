@@ -25,21 +25,9 @@ import sys
 import tempfile
 
 from .processes import free_port
+from .verl_configs import actor_config
 
 RANKS = 2
-
-
-def _actor_config(mode: str):
-    from hydra import compose, initialize_config_dir
-    from verl.trainer.ppo import core_algos
-    from verl.utils.config import omega_conf_to_dataclass
-
-    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=[
-            "actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"])
-    return omega_conf_to_dataclass(config.actor_rollout_ref.actor)
 
 
 def _corrected(name: str):
@@ -97,7 +85,7 @@ def _run(rank_rows, dp_size, name, mode, micro_rows, group=None):
     from verl.workers.utils.losses import ppo_loss
 
     batch, mask, weights, advantages, info = _corrected(name)
-    config = _actor_config(mode)
+    config = actor_config(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}")
     current = batch.fresh_current()
     outputs, total = [], 0.0
     loss_fn = partial(ppo_loss, config)
