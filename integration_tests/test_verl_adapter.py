@@ -41,7 +41,7 @@ from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
 
 from .shared_batch import all_config_names, config_for, core_reference, load_expected, make_shared_batch  # noqa: E402
-from .support.verl_configs import BASE_OVERRIDES, compose_verl  # noqa: E402
+from .support.verl_configs import BASE_OVERRIDES, compose_verl, flags  # noqa: E402,F401 (flags: a fixture)
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
 
 pytestmark = [pytest.mark.verl]
@@ -55,16 +55,6 @@ OUR_LOSS_METRICS = ("policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_l
 def actor_config():
     """A real verl ActorConfig (FSDPActorConfig) from verl's own defaults."""
     return verl_actor_config()
-
-
-@pytest.fixture
-def active():
-    """Set the process's flags for a test, clear them afterwards."""
-    def _set(cfg):
-        adapter.set_active_config(cfg)
-        return cfg
-    yield _set
-    adapter.set_active_config(None)
 
 
 @pytest.fixture
@@ -193,7 +183,7 @@ def test_a_run_checks_every_required_name_before_it_starts(monkeypatch):
     assert set(adapter.REQUIRED_VERL_NAMES) >= {p.dotted for p in adapter._PATCH_POINTS if not p.optional}
 
 
-def test_without_our_flags_every_wrapper_passes_through(active):
+def test_without_our_flags_every_wrapper_passes_through(flags):
     assert core_algos.get_policy_loss_fn("gspo") is core_algos.POLICY_LOSS_REGISTRY["gspo"]
     batch = make_shared_batch()
     finite = torch.nan_to_num(batch.rollout_logprobs, nan=-1.0, neginf=-5.0)
@@ -474,8 +464,8 @@ def test_double_correction_is_refused_at_start(override):
         adapter.configure_verl(config)
 
 
-def test_double_correction_is_refused_on_the_driver_too(active):
-    active(CorrectionConfig.preset("verl_decoupled_token_is"))
+def test_double_correction_is_refused_on_the_driver_too(flags):
+    flags(CorrectionConfig.preset("verl_decoupled_token_is"))
     batch = make_shared_batch()
     with pytest.raises(ValueError, match="double correction"):
         driver(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, {"rollout_is": "token", "rollout_rs": None})
@@ -489,9 +479,9 @@ NOT_IN_VERL_DECOUPLED = {"rollout_correction/loss_contrib_rollout_pos", "rollout
 
 
 @pytest.mark.parametrize("name", DECOUPLED_EXACT)
-def test_shared_batch_decoupled_matches_the_core(name, actor_config, active):
+def test_shared_batch_decoupled_matches_the_core(name, actor_config, flags):
     """Driver hook -> verl's own vanilla loss on our weights and mask == the core, to 1e-6."""
-    cfg = active(config_for(name))
+    cfg = flags(config_for(name))
     batch = make_shared_batch()
     ref = core_reference(name)
     proto, weights, driver_metrics = driver(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
@@ -527,9 +517,9 @@ def test_shared_batch_decoupled_matches_the_core(name, actor_config, active):
     assert {"actor/pg_clipfrac", "actor/ppo_kl"} <= set(loss_metrics)
 
 
-def test_shared_batch_off_policy_mask_in_decoupled_verl_uses_pi_old_as_behaviour(actor_config, active):
+def test_shared_batch_off_policy_mask_in_decoupled_verl_uses_pi_old_as_behaviour(actor_config, flags):
     """The loss cannot see rollout logprobs in decoupled verl: the behaviour policy is pi_old (DESIGN fallback)."""
-    cfg = active(config_for("off_policy_mask"))
+    cfg = flags(config_for("off_policy_mask"))
     batch = make_shared_batch()
     proto, weights, _ = driver(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
     no_delta = compute_correction(cfg.replace(off_policy_sequence_mask_delta=None), old_logprobs=batch.old_logprobs,
@@ -568,8 +558,8 @@ BYPASS_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(BYPASS_CONFIGS))
-def test_shared_batch_bypass_matches_the_core(name, actor_config, active):
-    cfg = active(CorrectionConfig(**BYPASS_CONFIGS[name]))
+def test_shared_batch_bypass_matches_the_core(name, actor_config, flags):
+    cfg = flags(CorrectionConfig(**BYPASS_CONFIGS[name]))
     batch = make_shared_batch()
     # the core, as a user of the core would call it (pi_old is pi_rollout; NaN pi_old is neutral)
     current_ref = batch.fresh_current()
@@ -618,7 +608,7 @@ def test_shared_batch_bypass_matches_the_core(name, actor_config, active):
 
 # ============================================================================= fp32 lm_head hook
 
-def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(active):
+def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(flags):
     """FSDPEngine._build_module (load, before LoRA/QAT/FSDP) is wrapped; the head then returns fp32."""
     import transformers
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
@@ -634,7 +624,7 @@ def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(active):
         model_config = type("ModelConfig", (), {"model_type": "language_model"})()
 
     def build(fp32):
-        active(CorrectionConfig(fp32_lm_head=fp32))
+        flags(CorrectionConfig(fp32_lm_head=fp32))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         return adapter._wrap_build_module(lambda self: model)(FakeEngine())
 
@@ -697,12 +687,12 @@ def naive_grpo(scores, mask, uid, kept_rows, eps=1e-6):
     return adv
 
 
-def test_rejected_sequences_leave_verls_grpo_baselines(active):
+def test_rejected_sequences_leave_verls_grpo_baselines(flags):
     """Driver hook, then verl's own compute_advantage (GRPO): rejected siblings do not move the baseline."""
     import numpy as np
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    cfg = active(CorrectionConfig(rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.05))
+    cfg = flags(CorrectionConfig(rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.05))
     old, rollout, mask, rewards, uid = grpo_batch()
 
     def proto():
@@ -725,12 +715,12 @@ def test_rejected_sequences_leave_verls_grpo_baselines(active):
     assert not torch.allclose(theirs.batch["advantages"], expected, atol=1e-3)
 
 
-def test_a_rejected_reward_token_leaves_the_score(active):
+def test_a_rejected_reward_token_leaves_the_score(flags):
     """Token-level rejection of the final (reward) token: the outcome reward is masked like the token."""
     import numpy as np
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    active(CorrectionConfig(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02))
+    flags(CorrectionConfig(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02))
     old, rollout, mask, rewards, uid = grpo_batch(1)
     rollout = old.clone()
     last = mask.sum(-1).long() - 1

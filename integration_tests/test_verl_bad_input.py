@@ -32,6 +32,7 @@ from rollout_parity.adapters import verl as adapter  # noqa: E402
 
 from .shared_batch import make_shared_batch  # noqa: E402
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
+from .support.verl_configs import flags  # noqa: E402,F401 (a fixture)
 
 pytestmark = [pytest.mark.verl]
 
@@ -42,15 +43,6 @@ BAD = (float("nan"), float("inf"), float("-inf"))
 @pytest.fixture(scope="module")
 def actor_config():
     return verl_actor_config()
-
-
-@pytest.fixture
-def flags():
-    def _set(cfg):
-        adapter.set_active_config(cfg)
-        return cfg
-    yield _set
-    adapter.set_active_config(None)
 
 
 def proto(old, rollout, mask, **extra):

@@ -32,6 +32,7 @@ from rollout_parity.adapters import verl as adapter  # noqa: E402
 
 from .shared_batch import all_config_names, config_for, make_shared_batch  # noqa: E402
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
+from .support.verl_configs import flags  # noqa: E402,F401 (a fixture)
 
 pytestmark = [pytest.mark.verl]
 
@@ -43,15 +44,6 @@ NO_CORRECTION = {"rollout_is": None, "rollout_rs": None, "bypass_mode": False}
 def actor_config():
     # verl >= 0.9: dro needs its penalty coefficient
     return verl_actor_config(*(["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"] if "dro" in LOSS_MODES else []))
-
-
-@pytest.fixture
-def flags():
-    def _set(cfg):
-        adapter.set_active_config(cfg)
-        return cfg
-    yield _set
-    adapter.set_active_config(None)
 
 
 def run_loss(fn, actor_config, batch, mask, weights):
