@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import re
 from pathlib import Path
@@ -95,7 +94,7 @@ def build_task_model(steps: int = 800, batch_size: int = 32, lr: float = 3e-3, s
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_parity.testing.tiny_model import build_tiny_model
+    from rollout_parity.testing.tiny_model import build_tiny_model, pretrain
 
     params = dict(v=_VERSION, words=WORDS, bias=BIAS, n=ANSWER_WORDS, phrasings=_PHRASINGS, steps=steps,
                   batch_size=batch_size, lr=lr, seed=seed)
@@ -112,32 +111,14 @@ def build_task_model(steps: int = 800, batch_size: int = 32, lr: float = 3e-3, s
         if len(tokenizer.encode(" " + w)) != 1:
             raise RuntimeError(f"' {w}' is not one token of the tiny tokenizer: the task needs single-token words")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model.train()
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * s / steps)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    losses = []
-    try:
-        for step in range(steps):
-            texts = [_pretraining_text(tokenizer, rng) for _ in range(batch_size)]
-            batch = tokenizer(texts, return_tensors="pt", padding=True)
-            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-            loss = model(**batch, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-            losses.append(loss.item())
-            if (step + 1) % 100 == 0:
-                log(f"[tim_task] pre-training step {step + 1}/{steps}: loss {sum(losses[-20:]) / 20:.3f}")
-    finally:
-        torch.set_num_threads(threads)
-    model.eval()
+
+    def texts(step: int) -> dict:
+        batch = tokenizer([_pretraining_text(tokenizer, rng) for _ in range(batch_size)], return_tensors="pt",
+                          padding=True)
+        return {**batch, "labels": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)}
+
+    losses = pretrain(model, texts, steps=steps, lr=lr, log=log, log_every=100, label="[tim_task] pre-training")
     model = model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
     model.save_pretrained(path)

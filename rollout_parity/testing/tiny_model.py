@@ -29,7 +29,7 @@ from typing import Any
 
 __all__ = [
     "build_tiny_model", "build_trained_tiny_model", "build_tiny_tokenizer", "chat_corpus", "CHAT_TEMPLATE",
-    "SYSTEM_PROMPT", "TOPICS", "story", "read_and_answer", "default_cache_dir",
+    "SYSTEM_PROMPT", "TOPICS", "story", "read_and_answer", "default_cache_dir", "pretrain",
 ]
 
 _FORMAT_VERSION = 1  # bump when the build changes, so old cache entries are not reused
@@ -401,7 +401,30 @@ def build_trained_tiny_model(
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
             else:
                 p.zero_()
-    model.float().train()
+    def windows(step: int) -> dict:
+        starts = torch.randint(0, ids.numel() - seq_len - 1, (batch_size,), generator=gen).tolist()
+        batch = torch.stack([ids[i : i + seq_len] for i in starts])
+        return {"input_ids": batch, "labels": batch}
+
+    losses = pretrain(model.float(), windows, steps=steps, lr=lr, threads=threads, log=log, label="tiny model")
+    final = sum(losses[-20:]) / len(losses[-20:])
+    return _save(model, tokenizer, out, key, params, dtype, extra={"final_loss": final})
+
+
+def pretrain(model: Any, batch_for_step: Any, *, steps: int, lr: float, threads: int = 1, log: Any = None,
+             log_every: int = 50, label: str = "pre-training") -> list[float]:
+    """Train ``model`` from ``batch_for_step(step)`` (keyword arguments of its forward, labels
+    included); return the per-step losses and leave the model in eval mode.
+
+    The recipe both locally pre-trained models use (the doctor's chat model, the TIM task's
+    model): AdamW (betas 0.9/0.98, no weight decay), linear warm-up over the first tenth of the
+    steps then cosine decay, gradient clipping at 1, ``threads`` torch threads while training
+    (restored afterwards; see :func:`build_trained_tiny_model` for why one). ``log`` receives a
+    line every ``log_every`` steps with the mean loss of the last 20.
+    """
+    import torch
+
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -411,19 +434,17 @@ def build_trained_tiny_model(
     losses: list[float] = []
     try:
         for step in range(steps):
-            starts = torch.randint(0, ids.numel() - seq_len - 1, (batch_size,), generator=gen).tolist()
-            batch = torch.stack([ids[i : i + seq_len] for i in starts])
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(**batch_for_step(step)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
             losses.append(loss.item())
-            if log is not None and (step + 1) % 50 == 0:
-                log(f"tiny model: step {step + 1}/{steps}, loss {losses[-1]:.3f}")
+            if log is not None and (step + 1) % log_every == 0:
+                recent = losses[-20:]
+                log(f"{label}: step {step + 1}/{steps}, loss {sum(recent) / len(recent):.3f}")
     finally:
         torch.set_num_threads(old_threads)
     model.eval()
-    final = sum(losses[-20:]) / len(losses[-20:])
-    return _save(model, tokenizer, out, key, params, dtype, extra={"final_loss": final})
+    return losses
