@@ -287,16 +287,21 @@ def _refuse_outside_fsdp_head_pass(config: Any, what: str) -> None:
                          "hidden states across ranks; not supported")
 
 
+def _node(config: DictConfig, *keys: str) -> DictConfig:
+    """``config.<keys...>``, with an empty node put where a key is missing or null."""
+    for key in keys:
+        if config.get(key, None) is None:
+            config[key] = {}
+        config = config[key]
+    return config
+
+
 def _merge_vllm_recipe(config: DictConfig, cfg: CorrectionConfig) -> None:
     from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
     recipe = vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head)
     rollout = config.actor_rollout_ref.rollout
-    if rollout.get("engine_kwargs", None) is None:
-        rollout.engine_kwargs = {}
-    if rollout.engine_kwargs.get("vllm", None) is None:
-        rollout.engine_kwargs.vllm = {}
-    vllm_kwargs = rollout.engine_kwargs.vllm
+    vllm_kwargs = _node(rollout, "engine_kwargs", "vllm")
     for key, value in recipe.items():
         current = vllm_kwargs.get(key, None)
         if isinstance(value, dict):
@@ -379,16 +384,7 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         if config.algorithm.get("rollout_correction", None) is None:
             config.algorithm.rollout_correction = {"rollout_is": None, "rollout_rs": None}
         config.algorithm.rollout_correction.bypass_mode = verl_bypass
-        if config.get("ray_kwargs", None) is None:
-            config.ray_kwargs = {}
-        if config.ray_kwargs.get("ray_init", None) is None:
-            config.ray_kwargs.ray_init = {}
-        ray_init = config.ray_kwargs.ray_init
-        if ray_init.get("runtime_env", None) is None:
-            ray_init.runtime_env = {}
-        if ray_init.runtime_env.get("env_vars", None) is None:
-            ray_init.runtime_env.env_vars = {}
-        env_vars = ray_init.runtime_env.env_vars
+        env_vars = _node(config, "ray_kwargs", "ray_init", "runtime_env", "env_vars")
         for key in (ENV_CONFIG, ENV_SAMPLER):
             if carried[key] is None:
                 env_vars.pop(key, None)
