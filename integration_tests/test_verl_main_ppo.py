@@ -90,14 +90,24 @@ def test_the_vllm_server_runs_the_parity_recipe(runs, name):
 
 
 def test_weights_reach_vllm_after_each_update(runs):
-    """lr > 0: the policy moves a lot, and vLLM's log-perplexity still tracks the actor's."""
+    """lr > 0: the policy moves a lot, and vLLM's step-2 samples still score like the actor's.
+
+    How far the update moved the policy is read from verl's own ``ppo_kl`` at step 1: the
+    second mini-batch is scored by the actor after the first optimizer step, against the
+    log-probs of the policy vLLM sampled with. (Entropy is no measure of it: a policy can move
+    by KL ~1 and keep its entropy, as runs here did.) Had vLLM kept the old weights, step 2's
+    rollout/trainer gap would be of that size; after the sync it is the kernels' gap (per-token
+    |delta| measured 1e-3-7e-3 at step 1 and about 1e-2 at step 2, where the moved, sharper policy
+    amplifies it).
+    """
     run = finished(runs, "decoupled")
     first, second = run.metrics(1), run.metrics(2)
-    assert second["actor/entropy"] < first["actor/entropy"] - 0.5  # the update really changed the policy
-    assert abs(second["rollout_correction/training_log_ppl"] - first["rollout_correction/training_log_ppl"]) > 0.5
-    # step 2 was sampled by vLLM after the sync: same log-perplexity as the updated actor
-    assert abs(second["rollout_correction/rollout_log_ppl"] - second["rollout_correction/training_log_ppl"]) < 5e-3
-    assert second["actor/policy/ppo_kl"] > 0  # two optimizer steps per step: the second saw a moved policy
+    moved = first["actor/policy/ppo_kl"]
+    assert moved > 0.2, moved  # measured 0.84-1.04: Adam's first steps at lr 0.05
+    # step 2 was sampled by vLLM after the sync: the same log-perplexity and token log-probs as the updated actor
+    gap = abs(second["rollout_correction/rollout_log_ppl"] - second["rollout_correction/training_log_ppl"])
+    assert gap < moved / 20, (gap, moved)  # measured 1e-3-2e-3 in both runs
+    assert second["rollout_correction/delta_abs_mean"] < moved / 20, (second["rollout_correction/delta_abs_mean"], moved)
 
 
 def test_fp32_lm_head_on_both_sides_shrinks_the_mismatch(runs):
