@@ -246,7 +246,7 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     import torch
 
     from rollout_parity.core.config import CorrectionConfig
-    from rollout_parity.grpo_rounds import grpo_prompt, supports_reload_weights, weight_versions
+    from rollout_parity.grpo_rounds import grpo_prompt, supports_reload_weights, trainer_threads, weight_versions
 
     t_start = time.perf_counter()
     cfg = CorrectionConfig.preset(opts.preset, log_rollout_offpolicy_metrics=True)
@@ -290,7 +290,8 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
                       opts, timings)
     say("scoring the rollouts with the trainer, version by version")
     t0 = time.perf_counter()
-    scores, stale = _score_versions(trainer, specs, sampled["batches"], versions, sampling, opts, real_updates)
+    with trainer_threads() as timings["trainer_threads"]:
+        scores, stale = _score_versions(trainer, specs, sampled["batches"], versions, sampling, opts, real_updates)
     timings["trainer_s"] = time.perf_counter() - t0
     rows, deltas, scan = _rows_report(specs, cfg, scores, sampled)
 

@@ -161,3 +161,30 @@ def test_run_doctor_validates_before_requirements(monkeypatch):
                         lambda: (_ for _ in ()).throw(AssertionError("too early")))
     with pytest.raises(ValueError, match="unknown row"):
         run_doctor(DoctorOptions(rows=("nope",)))
+
+
+def test_trainer_threads_take_the_idle_cores_even_after_vllm_disabled_set_num_threads(monkeypatch):
+    """vLLM's CPU worker turns ``torch.set_num_threads`` into a no-op; the trainer pass still gets
+    the idle cores, and the engines' count is back afterwards."""
+    import torch
+
+    from rollout_parity.grpo_rounds import trainer_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what cpu_worker.py installs
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    torch._C.set_num_threads(1)
+    try:
+        monkeypatch.setattr(os, "getloadavg", lambda: (1.1, 1.0, 1.0))  # only this process runs
+        with trainer_threads() as n:
+            assert n == torch.get_num_threads() == 4
+        assert torch.get_num_threads() == 1
+        monkeypatch.setattr(os, "getloadavg", lambda: (3.2, 3.0, 3.0))  # two other jobs hold two cores
+        with trainer_threads() as n:
+            assert n == 2
+        monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))  # overloaded: no extra threads
+        with trainer_threads() as n:
+            assert n == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch._C.set_num_threads(before)
