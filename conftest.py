@@ -23,6 +23,12 @@ _ENV = {
     # A fixed KV cache per CPU engine (GiB): the default, a share of RAM minus this process's
     # RSS, goes negative once the test process has imported a few frameworks.
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    # One OpenMP thread per process. The in-process vLLM engines run on torch's threads, and with
+    # two an engine that recomputes preempted requests and a fresh engine scoring the same tokens
+    # differed from run to run (test_vllm_async_update's exactness check failed 1 run in 2; with one
+    # thread it holds at ~2e-7). Set before torch is imported; the doctor's trainer pass still
+    # takes the idle cores (grpo_rounds.trainer_threads) and gives them back.
+    "OMP_NUM_THREADS": "1",
 }
 for _key, _value in _ENV.items():
     os.environ.setdefault(_key, _value)
