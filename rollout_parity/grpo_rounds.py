@@ -96,12 +96,14 @@ def engine_environment(threads: int | None = None) -> Iterator[int | None]:
     for k, v in wanted.items():
         os.environ.setdefault(k, v)
     torch_threads = torch.get_num_threads()
+    # torch._C's, not torch.set_num_threads: vLLM's CPU worker turns the latter into a no-op once
+    # an engine has started in this process (see trainer_threads)
     if threads:
-        torch.set_num_threads(threads)  # in case torch was imported before the env was set
+        torch._C.set_num_threads(threads)  # in case torch was imported before the env was set
     try:
         yield threads
     finally:
-        torch._C.set_num_threads(torch_threads)  # vLLM's CPU worker makes torch.set_num_threads a no-op
+        torch._C.set_num_threads(torch_threads)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
