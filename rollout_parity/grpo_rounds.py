@@ -82,8 +82,6 @@ def engine_environment(threads: int | None = None) -> Iterator[int | None]:
     barrier whenever one core is taken, and tokens/s then swung 30x from row to row. Values
     the caller already set win. Yields the thread count used (None: left alone).
     """
-    import torch
-
     cpu = is_vllm_cpu_build()
     if threads is None and cpu:
         threads = 1
@@ -95,15 +93,11 @@ def engine_environment(threads: int | None = None) -> Iterator[int | None]:
     saved = {k: os.environ.get(k) for k in wanted}
     for k, v in wanted.items():
         os.environ.setdefault(k, v)
-    torch_threads = torch.get_num_threads()
-    # torch._C's, not torch.set_num_threads: vLLM's CPU worker turns the latter into a no-op once
-    # an engine has started in this process (see trainer_threads)
-    if threads:
-        torch._C.set_num_threads(threads)  # in case torch was imported before the env was set
     try:
-        yield threads
+        # the env alone is too late if torch was imported before it was set
+        with torch_threads(threads):
+            yield threads
     finally:
-        torch._C.set_num_threads(torch_threads)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -112,34 +106,43 @@ def engine_environment(threads: int | None = None) -> Iterator[int | None]:
 
 
 @contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[int]:
+    """torch's intra-op thread count set to ``count`` (None: left alone), restored on exit.
+
+    Set through ``torch._C.set_num_threads``, the builtin torch exports as ``set_num_threads``:
+    vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once an engine has started
+    in this process (``vllm/v1/worker/cpu_worker.py``, to protect its OpenMP thread binding,
+    which ``engine_environment`` turns off with ``nobind``). Yields the count in effect.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    if count:
+        torch._C.set_num_threads(count)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch._C.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def trainer_threads() -> Iterator[int]:
     """The idle cores too, for a trainer pass run while the in-process engines sit idle.
 
     ``engine_environment`` holds torch to the engines' one thread. The trainer's scoring is not
     timed and runs after the engines' rounds; on a CPU without native bf16 its bf16 GEMMs
-    dominate the doctor (83 s of 190 s on one thread here, 49 s on two). It takes one thread
+    dominate the doctor (83 s of 190 s on one thread here, 43-49 s on two). It takes one thread
     plus one per core the 1-minute load average leaves free (this process counts for one): on
     a loaded machine extra OpenMP threads stall at every barrier (a second thread made scoring
-    1.3x slower here with one core busy). The GEMMs split rows, not reductions, across threads:
-    the doctor's trainer scores at one and two threads were bit-identical here.
-
-    vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once an engine has started
-    (``vllm/v1/worker/cpu_worker.py``, to protect its OpenMP thread binding, which
-    ``engine_environment`` turns off with ``nobind``), so the count is set through
-    ``torch._C.set_num_threads``, the builtin torch exports under that name. Restores the previous
-    count; yields the count used.
+    1.3x slower here with one core busy). The doctor's trainer scores at one and two threads
+    were bit-identical here. Restores the previous count; yields the count used.
     """
     import torch
 
-    set_threads = torch._C.set_num_threads
-    before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     busy_elsewhere = max(0, round(os.getloadavg()[0]) - 1) if hasattr(os, "getloadavg") else cores - 1
-    set_threads(max(before, cores - busy_elsewhere))
-    try:
-        yield torch.get_num_threads()
-    finally:
-        set_threads(before)
+    with torch_threads(max(torch.get_num_threads(), cores - busy_elsewhere)) as count:
+        yield count
 
 
 # ----------------------------------------------------------------------------- prompts
