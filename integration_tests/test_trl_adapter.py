@@ -289,6 +289,11 @@ def test_sampler_aware_ratio_at_top_p_top_k_is_at_parity_level(run):
     inside = ours.isfinite()
     assert inside.float().mean() > 0.95
     assert log["rollout_correction/nonfinite_frac"] == pytest.approx(1 - inside.float().mean().item(), abs=1e-6)
+    # both logged with the cause named, the same keys as the verl adapter's
+    assert log["rollout_correction/sampler_outside_kept_frac"] == pytest.approx(1 - inside.float().mean().item(),
+                                                                                abs=1e-6)
+    assert log["rollout_correction/sampler_log_kept_mass"] == pytest.approx(
+        log_kept[valid][inside].mean().item(), rel=0.05)  # ours from the fp32 head, this from the model's logits
     assert plain.abs().mean() > 20 * parity and ours[inside].abs().mean() < 5 * parity
     assert log["rollout_correction/is_weight_mean"] == pytest.approx(1.0, abs=0.02)
 

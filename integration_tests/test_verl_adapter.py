@@ -737,6 +737,33 @@ def test_a_rejected_reward_token_leaves_the_score(flags):
     torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_sampler_metrics_name_the_boundary_tokens_and_the_kept_mass(flags):
+    """top_p: log S over the tokens both keep; a token outside the trainer's kept set is named, not a NaN."""
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate")
+    flags(cfg)
+    adapter.set_active_config(cfg, adapter.SamplerSpec(top_p=0.9))
+    old, rollout, mask, _, _ = grpo_batch(2)
+    log_s = -torch.rand(old.shape, generator=torch.Generator().manual_seed(3)) * 0.3  # log kept mass per position
+    processed = old - log_s
+    rollout = processed + 1e-3
+    processed[0, 0] = float("-inf")  # vLLM sampled a token the trainer's nucleus leaves out
+    padded = int((mask.sum(-1) < mask.shape[1]).nonzero()[0])
+    processed[padded, -1] = float("-inf")  # ... and one in the padding, which does not count
+    proto = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                         adapter.PROCESSED_FIELD: processed})
+    _, metrics = adapter.driver_correction(proto)
+
+    valid = mask.bool()
+    inside = valid.clone()
+    inside[0, 0] = False
+    n = valid.sum().item()
+    assert metrics["rollout_correction/sampler_outside_kept_frac"] == pytest.approx(1 / n)
+    assert metrics["rollout_correction/sampler_log_kept_mass"] == pytest.approx(log_s[inside].mean().item(), abs=1e-6)
+    # the core counts it as maximal mismatch; the rest is compared like with like (delta 1e-3, not log S)
+    assert metrics["rollout_correction/nonfinite_frac"] == pytest.approx(1 / n)
+    assert metrics["rollout_correction/delta_abs_mean"] == pytest.approx((20.0 + 1e-3 * (n - 1)) / n, rel=1e-4)
+
+
 def _driver_step(case):
     # verl imports the adapter first, as in a run (verl 0.8 has no plugin entry points: the env variable)
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=adapter.MODULE)

@@ -14,6 +14,7 @@ from rollout_parity.testing.stack import need
 from rollout_parity.core.sampler import (
     SamplerLogprobs,
     SamplerSupportWarning,
+    kept_mass_metrics,
     processed_logits,
     sampler_logprobs,
 )
@@ -130,6 +131,38 @@ def test_top_p_tie_at_the_boundary_drops_the_right_number():
     assert sum(v == NEG_INF for v in ref) == 1
     kept_lp = out.log_softmax(-1)[0][~dropped]
     torch.testing.assert_close(kept_lp.sort().values, torch.log(torch.tensor([0.25, 0.25, 0.5])))
+
+
+def test_kept_mass_metrics_separate_the_boundary_tokens():
+    """log S over the tokens inside the kept set; +inf (outside) counted; NaN and padding in neither."""
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)) * 2
+    ids = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    full = logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0]
+    processed = sampler_logprobs(logits, ids, top_k=3, top_p=0.8, return_outside=True).logprobs
+    log_s = full - processed
+    log_s[2, 4] = float("nan")  # a non-finite input: the core counts it, this names neither
+    out = kept_mass_metrics(log_s, mask)
+    # naive: per token, from the definition log S = logsumexp over the kept set - logsumexp over all
+    kept_logits = processed_logits(logits.view(15, 11), 1.0, 3, 0.8).view(3, 5, 11)
+    inside, outside, n = [], 0, 0
+    for b in range(3):
+        for t in range(5):
+            if not mask[b, t] or (b, t) == (2, 4):
+                n += bool(mask[b, t])
+                continue
+            n += 1
+            if kept_logits[b, t, ids[b, t]] == NEG_INF:
+                outside += 1
+            else:
+                inside.append(float(torch.logsumexp(kept_logits[b, t], -1) - torch.logsumexp(logits[b, t], -1)))
+    assert outside > 0 and inside  # both kinds present
+    assert out["rollout_correction/sampler_outside_kept_frac"] == pytest.approx(outside / n)
+    assert out["rollout_correction/sampler_log_kept_mass"] == pytest.approx(sum(inside) / len(inside), abs=1e-5)
+    empty = kept_mass_metrics(log_s, torch.zeros_like(mask))
+    assert empty == {"rollout_correction/sampler_log_kept_mass": 0.0, "rollout_correction/sampler_outside_kept_frac": 0.0}
+    with pytest.raises(ValueError, match=r"log_kept_mass has shape \(3, 5\) but response_mask has shape \(3, 4\)"):
+        kept_mass_metrics(log_s, mask[:, :4])
 
 
 def test_outside_token_is_counted_never_silent():

@@ -55,7 +55,7 @@ from rollout_parity.adapters._compat import FrameworkAPIError, check_framework
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.ratios import check_shapes
-from rollout_parity.core.sampler import sampler_logprobs_from_hidden
+from rollout_parity.core.sampler import kept_mass_metrics, sampler_logprobs_from_hidden
 
 __all__ = ["ParityGRPOConfig", "ParityGRPOTrainer", "MissingRolloutLogprobsError", "apply", "revert", "is_applied",
            "correction_config_from_args", "parity_vllm_engine", "server_command", "TESTED_TRL", "REQUIRED_TRL_NAMES"]
@@ -553,6 +553,8 @@ def _corrected_generation(state: _State, original: Any, inputs: Any) -> dict:
                              with_metrics=cfg.wants_metrics or state.hands_weights)
     output.update({_KEY + "old": old - kept_mass, _KEY + "response_mask": loss_mask, _KEY + "kept_mass": kept_mass})
     logged = {k: v for k, v in out.metrics.items() if k not in _THETA_METRICS}
+    if captured:
+        logged.update(kept_mass_metrics(kept_mass, loss_mask, group))
     if state.hands_weights:
         kept = out.mask != 0
         ratio = torch.where(kept, out.weights, torch.ones_like(out.weights)).to(old.dtype)

@@ -106,6 +106,7 @@ from rollout_parity.adapters._compat import FrameworkAPIError, check_framework, 
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.loss import policy_loss
+from rollout_parity.core.sampler import kept_mass_metrics
 
 try:
     import verl  # noqa: F401
@@ -820,10 +821,8 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
         _write_old_log_probs(batch, rollout)
     metrics = {k: v for k, v in out.metrics.items() if k.split("/", 1)[-1] not in _METRICS_NEED_POLICY}
     if active_sampler() is not None:
-        valid = response_mask.to(torch.float32)
-        kept_mass = ((old.float() - trainer_old.float()) * valid).nan_to_num(0.0, 0.0, 0.0)
-        # mean log S over valid tokens: the bias a full-vocabulary pi_old would have put into log r_corr
-        metrics["rollout_correction/sampler_log_kept_mass"] = float(kept_mass.sum() / valid.sum().clamp_min(1.0))
+        # log S = full - processed per token (+inf where vLLM sampled outside the trainer's kept set)
+        metrics.update(kept_mass_metrics(old.float() - trainer_old.float(), response_mask))
     return batch, metrics
 
 

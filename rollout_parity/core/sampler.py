@@ -55,8 +55,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "HeadLogprobs", "SamplerLogprobs", "SamplerSupportWarning", "processed_logits", "sampler_logprobs",
-    "sampler_logprobs_from_hidden",
+    "HeadLogprobs", "SamplerLogprobs", "SamplerSupportWarning", "kept_mass_metrics", "processed_logits",
+    "sampler_logprobs", "sampler_logprobs_from_hidden",
 ]
 
 # vLLM's threshold below which a temperature means greedy sampling (sampling_params.py).
@@ -321,3 +321,36 @@ def sampler_logprobs_from_hidden(
     full, processed = full.reshape(shape), processed.reshape(shape)
     outside = _outside_kept_set(processed, response_mask)
     return HeadLogprobs(full=full, processed=processed, outside_mask=outside, num_outside=int(outside.sum()))
+
+
+def kept_mass_metrics(log_kept_mass: torch.Tensor, response_mask: torch.Tensor,
+                      process_group=None) -> dict[str, float]:
+    """What sampler-aware pi_old removed from r_corr, and where it could not compare.
+
+    ``log_kept_mass`` is ``log p_T(y) - log q(y)`` per token (full minus processed logprobs):
+    log S inside the trainer's kept set, +inf for a sampled token outside it. Returns, over
+    the valid tokens of ``response_mask`` (all-reduced over ``process_group`` when given):
+
+    * ``rollout_correction/sampler_log_kept_mass``: mean log S over the valid tokens inside the
+      kept set, the bias a full-vocabulary pi_old would have put into every log r_corr;
+    * ``rollout_correction/sampler_outside_kept_frac``: the share of valid tokens the engine
+      sampled outside the trainer's kept set (trainer and engine logits on different sides of
+      the boundary). The core counts those in ``nonfinite_frac`` as maximal mismatch; this
+      names the cause, so a boundary token is not mistaken for a NaN from the engine.
+
+    A NaN (non-finite inputs, counted by the core) is in neither.
+    """
+    if tuple(log_kept_mass.shape) != tuple(response_mask.shape):
+        raise ValueError(f"log_kept_mass has shape {tuple(log_kept_mass.shape)} but response_mask has shape "
+                         f"{tuple(response_mask.shape)}")
+    valid = response_mask.detach() != 0
+    log_s = log_kept_mass.detach().to(torch.float64)
+    inside = valid & torch.isfinite(log_s)
+    outside = valid & torch.isposinf(log_s)
+    sums = torch.stack([torch.where(inside, log_s, 0.0).sum(), inside.sum().to(torch.float64),
+                        outside.sum().to(torch.float64), valid.sum().to(torch.float64)])
+    if process_group is not None:
+        torch.distributed.all_reduce(sums, group=process_group)
+    total, n_inside, n_outside, n_valid = sums.tolist()
+    return {"rollout_correction/sampler_log_kept_mass": total / n_inside if n_inside else 0.0,
+            "rollout_correction/sampler_outside_kept_frac": n_outside / n_valid if n_valid else 0.0}
