@@ -54,7 +54,7 @@ def finished(runs, name):
 
 OUR_DRIVER_METRICS = ("kl", "k3_kl", "training_log_ppl", "rollout_log_ppl", "log_ppl_abs_diff", "chi2_token", "ess",
                       "delta_abs_mean", "delta_abs_max", "rejected_token_frac", "rejected_seq_frac", "nonfinite_frac",
-                      "sampler_log_kept_mass")
+                      "sampler_log_kept_mass", "sampler_outside_kept_frac")
 OUR_LOSS_METRICS = ("actor/policy/pg_clipfrac", "actor/policy/ppo_kl", "actor/policy/pg_clipfrac_lower",
                     "actor/policy/nonfinite_frac", "actor/rollout_correction/loss_contrib_pos",
                     "actor/rollout_correction/loss_contrib_neg")
@@ -89,6 +89,23 @@ def test_the_vllm_server_runs_the_parity_recipe(runs, name):
     assert not re.search(r"\bip=(?!127\.0\.0\.1\b)\d", run.output)
 
 
+def inside_kept_set(data, key):
+    """A token-mean metric over the tokens inside the trainer's kept set.
+
+    With top_p, a token vLLM sampled can fall just outside the trainer's nucleus when the two
+    logits put it on different sides of the boundary (more often with bf16 heads and a sharp
+    policy): its sampler-aware pi_old is -inf, which the core counts in ``nonfinite_frac`` as
+    maximal mismatch, log-ratio -20 (DESIGN.md's bad-input rule), and the adapter names in
+    ``sampler_outside_kept_frac``. One such token in a 128-token step adds 0.16 to ``kl`` and to
+    ``delta_abs_mean`` (a run here had exactly that). Those tokens' share is known exactly and
+    each contributes exactly 20 to both sums, so it is removed here.
+    """
+    outside = data["rollout_correction/sampler_outside_kept_frac"]
+    assert data["rollout_correction/nonfinite_frac"] == pytest.approx(outside, abs=1e-7)  # nothing else was non-finite
+    assert outside < 0.05, outside  # boundary flips are rare: measured 0-1 of 128 tokens per step
+    return (data[f"rollout_correction/{key}"] - 20.0 * outside) / (1.0 - outside)
+
+
 def test_weights_reach_vllm_after_each_update(runs):
     """lr > 0: the policy moves a lot, and vLLM's step-2 samples still score like the actor's.
 
@@ -103,28 +120,39 @@ def test_weights_reach_vllm_after_each_update(runs):
     run = finished(runs, "decoupled")
     first, second = run.metrics(1), run.metrics(2)
     moved = first["actor/policy/ppo_kl"]
-    assert moved > 0.2, moved  # measured 0.84-1.04: Adam's first steps at lr 0.05
+    assert moved > 0.2, moved  # measured 0.58-1.10 over six runs: Adam's first steps at lr 0.05
     # step 2 was sampled by vLLM after the sync: the same log-perplexity and token log-probs as the updated actor
+    # (the perplexities are over tokens where both log-probs are finite, so a boundary token is not in them)
     gap = abs(second["rollout_correction/rollout_log_ppl"] - second["rollout_correction/training_log_ppl"])
-    assert gap < moved / 20, (gap, moved)  # measured 1e-3-2e-3 in both runs
-    assert second["rollout_correction/delta_abs_mean"] < moved / 20, (second["rollout_correction/delta_abs_mean"], moved)
+    assert gap < moved / 20, (gap, moved)  # measured 5e-5-2e-3
+    # with the old weights in vLLM, the mean |delta| would be at least the size of the move
+    delta = inside_kept_set(second, "delta_abs_mean")
+    assert delta < moved / 10, (delta, moved)  # measured 0.009-0.010
 
 
 def test_fp32_lm_head_on_both_sides_shrinks_the_mismatch(runs):
     fp32, bf16 = finished(runs, "decoupled").metrics(1), finished(runs, "bypass").metrics(1)
     # step 1, same weights: the token mismatch |log pi_old - log pi_rollout| with fp32 heads vs bf16 heads
-    assert fp32["rollout_correction/delta_abs_mean"] < bf16["rollout_correction/delta_abs_mean"] / 3
+    # (measured 1.0e-3-1.2e-3 against 7.1e-3-7.4e-3 in four runs)
+    assert inside_kept_set(fp32, "delta_abs_mean") < inside_kept_set(bf16, "delta_abs_mean") / 3
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_top_p_mismatch_is_at_parity_level_not_the_log_kept_mass(runs, name):
-    """Sampler-aware pi_old: r_corr compares like with like; the bias it removes is logged beside it."""
+    """Sampler-aware pi_old: r_corr compares like with like; the bias it removes is logged beside it.
+
+    With a full-vocabulary pi_old, ``kl`` would be about the bias (-log S, 0.10 at top_p=0.9)
+    and ``delta_abs_mean`` at least that. Measured over the tokens both samplers keep, four runs
+    each: |kl| at most bias/100 at step 1 (same weights) and bias/28 at step 2; mean |delta|
+    1e-3 (fp32 heads) and 7e-3 (bf16) at step 1, at most bias/7 (1.5e-2) at step 2, where the
+    lr-0.05 update has made the policy much sharper.
+    """
     for step in (1, 2):
         data = finished(runs, name).metrics(step)
         bias = -data["rollout_correction/sampler_log_kept_mass"]  # -log S > 0: what a full-vocab pi_old adds
         assert bias > 0.02
-        assert abs(data["rollout_correction/kl"]) < bias / 20
-        assert data["rollout_correction/delta_abs_mean"] < bias / 3
+        assert abs(inside_kept_set(data, "kl")) < bias / 10, (step, data)
+        assert inside_kept_set(data, "delta_abs_mean") < bias / 3, (step, data)
 
 
 def naive_grpo(records, eps=1e-6):
