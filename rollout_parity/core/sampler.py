@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ratios import check_shapes
+
 __all__ = [
     "HeadLogprobs", "SamplerLogprobs", "SamplerSupportWarning", "kept_mass_metrics", "processed_logits",
     "sampler_logprobs", "sampler_logprobs_from_hidden",
@@ -340,9 +342,7 @@ def kept_mass_metrics(log_kept_mass: torch.Tensor, response_mask: torch.Tensor,
 
     A NaN (non-finite inputs, counted by the core) is in neither.
     """
-    if tuple(log_kept_mass.shape) != tuple(response_mask.shape):
-        raise ValueError(f"log_kept_mass has shape {tuple(log_kept_mass.shape)} but response_mask has shape "
-                         f"{tuple(response_mask.shape)}")
+    check_shapes("response_mask", response_mask, log_kept_mass=log_kept_mass)
     valid = response_mask.detach() != 0
     log_s = log_kept_mass.detach().to(torch.float64)
     inside = valid & torch.isfinite(log_s)
