@@ -141,16 +141,24 @@ def test_fp32_lm_head_on_both_sides_shrinks_the_mismatch(runs):
 def test_top_p_mismatch_is_at_parity_level_not_the_log_kept_mass(runs, name):
     """Sampler-aware pi_old: r_corr compares like with like; the bias it removes is logged beside it.
 
-    With a full-vocabulary pi_old, ``kl`` would be about the bias (-log S, 0.10 at top_p=0.9)
-    and ``delta_abs_mean`` at least that. Measured over the tokens both samplers keep, four runs
-    each: |kl| at most bias/100 at step 1 (same weights) and bias/28 at step 2; mean |delta|
-    1e-3 (fp32 heads) and 7e-3 (bf16) at step 1, at most bias/7 (1.5e-2) at step 2, where the
-    lr-0.05 update has made the policy much sharper.
+    With a full-vocabulary pi_old every token's log-ratio would shift by -log S_t, so ``kl`` would
+    be ``kl`` here plus the bias (the mean of -log S, at most -log 0.9 = 0.105 per token at
+    top_p=0.9) and ``delta_abs_mean`` about that too. Measured over the tokens both samplers keep,
+    eight runs: at step 1 (same weights, bias 0.103-0.105) |kl| at most bias/280 and mean |delta|
+    1e-3 (fp32 heads) and 7e-3 (bf16); at step 2, after the lr-0.05 update, |kl| at most bias/40
+    and mean |delta| at most bias/8.
+
+    Step 2 may find the policy collapsed: one of those eight runs sampled the same 16 tokens for
+    every prompt (entropy 0.115). A token whose top probability exceeds top_p is its own nucleus, so
+    both samplers give it log-prob exactly 0 while log S is still negative: that run logged kl
+    and delta exactly 0 against a bias of 0.0195. The bounds hold there as everywhere; only the
+    size of the bias is then the collapsed policy's, not the pre-trained model's: step 1 alone
+    has a floor under it.
     """
-    for step in (1, 2):
+    for step, least_bias in ((1, 0.05), (2, 0.0)):
         data = finished(runs, name).metrics(step)
         bias = -data["rollout_correction/sampler_log_kept_mass"]  # -log S > 0: what a full-vocab pi_old adds
-        assert bias > 0.02
+        assert least_bias < bias < -math.log(0.9) + 2e-3, (step, bias)  # S >= top_p per token, to bf16 rounding
         assert abs(inside_kept_set(data, "kl")) < bias / 10, (step, data)
         assert inside_kept_set(data, "delta_abs_mean") < bias / 3, (step, data)
 
