@@ -546,12 +546,13 @@ def _corrected_generation(state: _State, original: Any, inputs: Any) -> dict:
     kept_mass = torch.cat(captured) if captured else torch.zeros_like(old)
     check_shapes("old_per_token_logps", old, log_kept_mass=kept_mass)
     kept_mass = torch.where(loss_mask != 0, kept_mass, 0.0)
+    processed_old = old - kept_mass  # the trainer's pi_old as vLLM's sampler sees it (-inf outside the kept set)
     group = _process_group(trainer)
-    out = compute_correction(cfg.replace(off_policy_sequence_mask_delta=None), old_logprobs=old - kept_mass,
+    out = compute_correction(cfg.replace(off_policy_sequence_mask_delta=None), old_logprobs=processed_old,
                              rollout_logprobs=rollout, response_mask=loss_mask, process_group=group,
                              current_logprobs=old if bypass else None,  # pi_theta is pi_old at generation time
                              with_metrics=cfg.wants_metrics or state.hands_weights)
-    output.update({_KEY + "old": old - kept_mass, _KEY + "response_mask": loss_mask, _KEY + "kept_mass": kept_mass})
+    output.update({_KEY + "old": processed_old, _KEY + "response_mask": loss_mask, _KEY + "kept_mass": kept_mass})
     logged = {k: v for k, v in out.metrics.items() if k not in _THETA_METRICS}
     if captured:
         logged.update(kept_mass_metrics(kept_mass, loss_mask, group))
