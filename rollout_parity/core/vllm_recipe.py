@@ -275,10 +275,11 @@ def _head_dtype(model_config: Any) -> str:
     head = str(head).replace("torch.", "")
     if head != "float32":
         # rollout_parity.adapters.vllm's patch for vLLM without head_dtype; seen here only
-        # if applied in this process (it covers in-process engines only).
+        # if applied in this process (it covers in-process engines only). The string is the
+        # marker of the adapters' patch layer (adapters/_patching.MARK), which core cannot import.
         lp = sys.modules.get("vllm.model_executor.layers.logits_processor")
         cls = getattr(lp, "LogitsProcessor", None)
-        if getattr(getattr(cls, "_get_logits", None), "_rollout_parity_fp32_logits", False):
+        if getattr(getattr(cls, "_get_logits", None), "__rollout_parity_patch__", False):
             head = "float32 (rollout-parity logits patch, in-process)"
     return head
 
