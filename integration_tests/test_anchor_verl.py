@@ -20,6 +20,7 @@ from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 
 from rollout_parity import CorrectionConfig, compute_correction  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
+from integration_tests.support.verl_equivalent import verl_equivalent  # noqa: E402
 
 pytestmark = [pytest.mark.verl]
 
@@ -93,7 +94,7 @@ def test_is_weights_and_metrics_match_verl(name, seed):
     cfg = IS_CASES[name]
     old, rollout, mask = anchor_batch(seed)
     w_ours, m_ours, met_ours = run_core(cfg, old, rollout, mask)
-    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, adapter.verl_equivalent(cfg))
+    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, verl_equivalent(cfg))
     torch.testing.assert_close(w_ours, w_verl, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
     assert_metrics(met_ours, met_verl, {**SHARED_METRICS, **IS_METRICS})
@@ -134,7 +135,7 @@ def test_rejection_masks_match_verl(flags, seed):
     cfg = CorrectionConfig(**flags)
     old, rollout, mask = anchor_batch(seed)
     w_ours, m_ours, met_ours = run_core(cfg, old, rollout, mask)
-    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, adapter.verl_equivalent(cfg))
+    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, verl_equivalent(cfg))
     torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
     kept, valid = m_ours.sum().item(), mask.sum().item()
     assert 0 < kept < valid, "thresholds should reject some but not all tokens on this batch"
@@ -148,7 +149,7 @@ def test_tis_srs_k3_preset_matches_verl_at_paper_threshold():
     cfg = CorrectionConfig.preset("tis_srs_k3")
     old, rollout, mask = anchor_batch(11, spread=0.01)
     w_ours, m_ours, met_ours = run_core(cfg, old, rollout, mask)
-    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, adapter.verl_equivalent(cfg))
+    w_verl, m_verl, met_verl = run_verl(old, rollout, mask, verl_equivalent(cfg))
     torch.testing.assert_close(w_ours, w_verl, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
     assert_metrics(met_ours, met_verl, {**SHARED_METRICS, **IS_METRICS, **RS_METRICS})
@@ -166,7 +167,7 @@ def test_driver_hook_writes_what_verls_own_correction_writes(name):
 
     original = getattr(helper.compute_rollout_correction_and_add_to_batch, "__wrapped__",
                        helper.compute_rollout_correction_and_add_to_batch)  # verl's own, unpatched
-    theirs, _ = original(batch(), adapter.verl_equivalent(cfg))
+    theirs, _ = original(batch(), verl_equivalent(cfg))
     adapter.set_active_config(cfg)
     try:
         ours, metrics = helper.compute_rollout_correction_and_add_to_batch(
@@ -181,7 +182,7 @@ def test_driver_hook_writes_what_verls_own_correction_writes(name):
 
 def test_k1_single_threshold_means_reciprocal_range_like_verl():
     cfg = CorrectionConfig(rollout_rejection=["seq_mean_k1"], rollout_rejection_threshold=1.02)
-    assert adapter.verl_equivalent(cfg)["rollout_rs_threshold"] == f"{1 / 1.02}_{1.02}"
+    assert verl_equivalent(cfg)["rollout_rs_threshold"] == f"{1 / 1.02}_{1.02}"
     old, rollout, mask = anchor_batch(4)
     _, m_ours, _ = run_core(cfg, old, rollout, mask)
     _, m_verl, _ = helper.compute_rollout_correction_and_rejection_mask(
@@ -200,4 +201,4 @@ def test_k1_single_threshold_means_reciprocal_range_like_verl():
 ])
 def test_modes_without_a_verl_equivalent_say_so(flags, flag):
     with pytest.raises(ValueError, match=flag):
-        adapter.verl_equivalent(CorrectionConfig(**flags))
+        verl_equivalent(CorrectionConfig(**flags))

@@ -38,11 +38,16 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
 from rollout_parity.adapters import _compat  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
+from rollout_parity.adapters._patching import MARK, owner_and_name  # noqa: E402
+from rollout_parity.adapters.verl import actor, patches  # noqa: E402
+from rollout_parity.adapters.verl.compat import has_v1_trainer  # noqa: E402
+from rollout_parity.core.sampler import SamplerSettings  # noqa: E402
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
 
 from .shared_batch import all_config_names, config_for, core_reference, load_expected, make_shared_batch  # noqa: E402
 from .support.verl_configs import BASE_OVERRIDES, compose_verl, flags  # noqa: E402,F401 (flags: a fixture)
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
+from .support.verl_equivalent import verl_equivalent  # noqa: E402
 
 pytestmark = [pytest.mark.verl]
 
@@ -93,51 +98,38 @@ def driver(old, rollout, mask, rc=None):
 
 # ============================================================================= the trio
 
-EAGER = [p for p in adapter._PATCH_POINTS if p.eager]
+EAGER = [p for p in patches.PATCH_POINTS if p.eager]
 
 
-def _resolve(point):
+def _held(point):
+    """What the owner of ``point`` holds itself (a class's own __dict__ entry, a module's name)."""
     import importlib
 
-    owner, name = adapter._owner_and_name(importlib.import_module(point.module), point.attr)
-    return owner, name
+    owner, name = owner_and_name(importlib.import_module(point.module), point.attr)
+    return vars(owner).get(name)
 
 
 def test_apply_wraps_every_eager_name_once_and_revert_restores_the_very_originals():
     import verl.workers.utils.losses as losses
 
     assert adapter.is_applied()
-    patched = {p.dotted: adapter._current(*_resolve(p)) for p in EAGER}
+    patched = {p.dotted: _held(p) for p in EAGER}
     originals = {k: v.__wrapped__ for k, v in patched.items()}
     for dotted, fn in patched.items():
-        assert getattr(fn, adapter._PATCH_MARK) is True, dotted
-        assert not hasattr(originals[dotted], adapter._PATCH_MARK), dotted  # __wrapped__ is verl's, not a wrapper
+        assert getattr(fn, MARK) is True, dotted
+        assert not hasattr(originals[dotted], MARK), dotted  # __wrapped__ is verl's, not a wrapper
     assert losses.get_policy_loss_fn is core_algos.get_policy_loss_fn  # the lookup site has the same wrapper
     assert losses.ppo_loss.__wrapped__.__module__ == "verl.workers.utils.losses"
     adapter.apply()  # idempotent: the very same objects
-    assert {p.dotted: adapter._current(*_resolve(p)) for p in EAGER} == patched
+    assert {p.dotted: _held(p) for p in EAGER} == patched
     adapter.revert()
     try:
         assert not adapter.is_applied()
         for point in EAGER:
-            assert adapter._current(*_resolve(point)) is originals[point.dotted], point.dotted
+            assert _held(point) is originals[point.dotted], point.dotted
         assert losses.get_policy_loss_fn is originals["verl.trainer.ppo.core_algos.get_policy_loss_fn"]
-        assert not hasattr(losses.ppo_loss, adapter._PATCH_MARK)
-        assert adapter._import_hook not in sys.meta_path
-    finally:
-        adapter.apply()
-    assert adapter.is_applied()
-
-
-def test_old_names_are_future_warning_aliases():
-    with pytest.warns(FutureWarning, match="is_applied"):
-        assert adapter.is_installed()
-    try:
-        with pytest.warns(FutureWarning, match="revert"):
-            adapter.uninstall()
-        assert not adapter.is_applied()
-        with pytest.warns(FutureWarning, match="apply"):
-            adapter.install()
+        assert not hasattr(losses.ppo_loss, MARK)
+        assert patches.patcher.hook not in sys.meta_path
     finally:
         adapter.apply()
     assert adapter.is_applied()
@@ -149,8 +141,8 @@ def test_a_missing_private_name_is_refused_by_name_and_nothing_stays_patched(rev
     monkeypatch.delattr(core_algos, "get_policy_loss_fn")
     with pytest.raises(_compat.FrameworkAPIError, match=r"verl\.trainer\.ppo\.core_algos\.get_policy_loss_fn"):
         adapter.apply()
-    assert not hasattr(verl_config.validate_config, adapter._PATCH_MARK)  # patched first, undone
-    assert not hasattr(helper.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
+    assert not hasattr(verl_config.validate_config, MARK)  # patched first, undone
+    assert not hasattr(helper.compute_rollout_correction_and_add_to_batch, MARK)
 
 
 def test_a_strangers_wrapper_is_not_stacked_on(reverted, monkeypatch):
@@ -161,7 +153,7 @@ def test_a_strangers_wrapper_is_not_stacked_on(reverted, monkeypatch):
         return original(name)
 
     monkeypatch.setattr(core_algos, "get_policy_loss_fn", someone_elses)
-    with pytest.raises(RuntimeError, match="already wrapped by .*someone_elses"):
+    with pytest.raises(RuntimeError, match="already replaced by .*someone_elses.*refusing to stack"):
         adapter.apply()
     assert core_algos.get_policy_loss_fn is someone_elses
 
@@ -180,7 +172,7 @@ def test_a_run_checks_every_required_name_before_it_starts(monkeypatch):
     with pytest.raises(_compat.FrameworkAPIError, match=r"verl\.workers\.utils\.padding\.response_to_nested"):
         adapter.configure_verl(config)
     assert adapter.active_config() is None
-    assert set(adapter.REQUIRED_VERL_NAMES) >= {p.dotted for p in adapter._PATCH_POINTS if not p.optional}
+    assert set(adapter.REQUIRED_VERL_NAMES) >= {p.dotted for p in patches.PATCH_POINTS if not p.optional}
 
 
 def test_without_our_flags_every_wrapper_passes_through(flags):
@@ -261,7 +253,7 @@ def test_preset_and_an_existing_external_lib():
 def test_top_p_turns_on_the_sampler_aware_pass_for_every_ray_actor():
     config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate",
                           "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20")
-    if not adapter._has_v1_trainer():
+    if not has_v1_trainer():
         # verl 0.8: main_ppo drops the actor's extra log-prob outputs, main_ppo_sync's driver step is out of reach
         with pytest.raises(ValueError, match=r"sampler-aware pi_old .*needs verl's V1 trainer \(verl >= 0\.9\)"):
             adapter.configure_verl(config)
@@ -270,8 +262,8 @@ def test_top_p_turns_on_the_sampler_aware_pass_for_every_ray_actor():
     try:
         adapter.configure_verl(config)
         env = config.ray_kwargs.ray_init.runtime_env.env_vars
-        assert json.loads(env[adapter.ENV_SAMPLER]) == {"top_k": 20, "top_p": 0.9, "min_p": 0.0}
-        assert adapter.active_sampler() == adapter.SamplerSpec(top_k=20, top_p=0.9)
+        assert json.loads(env[adapter.ENV_SAMPLER]) == {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "min_p": 0.0}
+        assert adapter.active_sampler() == SamplerSettings(top_k=20, top_p=0.9)
     finally:
         adapter.set_active_config(None)
     assert adapter.active_sampler() is None
@@ -294,7 +286,7 @@ def test_bypass_with_rejection_needs_the_v1_trainer_under_a_transferqueue_traine
     config = compose_verl("+rollout_parity.old_logprob_source=bypass", "+rollout_parity.rollout_rejection=[seq_sum_k3]",
                           "+rollout_parity.rollout_rejection_threshold=0.001", "transfer_queue.enable=true")
     try:
-        if adapter._has_v1_trainer():
+        if has_v1_trainer():
             assert adapter.configure_verl(config).old_logprob_source == "bypass"
             assert config.algorithm.rollout_correction.bypass_mode is False  # pi_old's pass stays
         else:
@@ -359,7 +351,7 @@ def test_verls_patched_validate_config_configures_then_validates():
     import verl.utils.config as verl_config
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
 
-    assert hasattr(verl_config.validate_config, adapter._PATCH_MARK)
+    assert hasattr(verl_config.validate_config, MARK)
     config = compose_verl("+rollout_parity.preset=tis_srs_k3", "+rollout_parity.fp32_lm_head=true", *VALID_RUN)
     try:
         verl_config.validate_config(config, use_reference_policy=need_reference_policy(config),
@@ -617,7 +609,7 @@ def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(flags):
     from rollout_parity.testing.tiny_model import build_tiny_model
 
     wrapper = FSDPEngine.__dict__["_build_module"]
-    assert hasattr(wrapper, adapter._PATCH_MARK)
+    assert hasattr(wrapper, MARK) and wrapper.__wrapped__.__qualname__ == "FSDPEngine._build_module"
     path = build_tiny_model()
 
     class FakeEngine:  # what the wrapper reads of verl's engine
@@ -626,7 +618,7 @@ def test_fp32_lm_head_is_applied_when_the_actor_model_is_built(flags):
     def build(fp32):
         flags(CorrectionConfig(fp32_lm_head=fp32))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        return adapter._wrap_build_module(lambda self: model)(FakeEngine())
+        return actor.fp32_head_after_build(lambda self: model, FakeEngine())
 
     try:
         with_head, without = build(True), build(False)
@@ -709,7 +701,7 @@ def test_rejected_sequences_leave_verls_grpo_baselines(flags):
 
     # the leak the hook closes: verl's own path keeps the rejected rewards in the group statistics
     original = helper.compute_rollout_correction_and_add_to_batch.__wrapped__
-    theirs, _ = original(proto(), adapter.verl_equivalent(cfg))
+    theirs, _ = original(proto(), verl_equivalent(cfg))
     theirs = compute_advantage(theirs, adv_estimator="grpo", num_repeat=4)
     torch.testing.assert_close(theirs.batch["response_mask"], ours.batch["response_mask"])
     assert not torch.allclose(theirs.batch["advantages"], expected, atol=1e-3)
@@ -737,11 +729,75 @@ def test_a_rejected_reward_token_leaves_the_score(flags):
     torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_bypass_under_top_p_puts_pi_rollout_on_the_trainers_support(flags):
+    """bypass + top_p: old_log_probs := rollout + log S (the trainer's kept mass), not the renormalised rollout.
+
+    The PPO ratio pi_theta / pi_old then compares full-vocabulary logprobs on both sides; a token outside
+    the trainer's kept set, or an engine NaN, takes the trainer's own full-vocabulary pi_old (neutral).
+    """
+    cfg = CorrectionConfig(old_logprob_source="bypass", log_rollout_offpolicy_metrics=True)
+    flags(cfg)
+    adapter.set_active_config(cfg, SamplerSettings(top_p=0.9))
+    old, _, mask, _, _ = grpo_batch(4)
+    g = torch.Generator().manual_seed(5)
+    log_s = -torch.rand(old.shape, generator=g) * 0.3
+    processed = old - log_s
+    rollout = processed + torch.randn(old.shape, generator=g) * 1e-3
+    processed[0, 0] = float("-inf")  # the engine sampled outside the trainer's nucleus
+    rollout[1, 1] = float("nan")  # and once returned NaN
+    proto = DataProto.from_dict(tensors={"old_log_probs": old.clone(), "rollout_log_probs": rollout.clone(),
+                                         "response_mask": mask.clone(), adapter.PROCESSED_FIELD: processed})
+    out, metrics = adapter.driver_correction(proto)
+    expected = rollout + log_s  # per token, naively
+    expected[0, 0], expected[1, 1] = old[0, 0], old[1, 1]
+    written = out.batch["old_log_probs"]
+    torch.testing.assert_close(written, expected, atol=1e-6, rtol=0)
+    assert (written - old).abs()[mask.bool()].max() < 5e-3  # at parity, the ratio's denominator is the trainer's
+    assert (rollout - old).abs()[mask.bool() & rollout.isfinite()].mean() > 0.1  # the raw rollout carries log S
+    assert metrics["rollout_correction/sampler_log_kept_mass"] < -0.1
+
+
+def test_sampler_penalties_and_scaled_heads_are_refused_as_in_trl(tmp_path):
+    """The framework-independent refusals (adapters/_refusals.py) reach verl's config: a penalty in vLLM's
+    processed logprobs, or top_p over a soft-capped head, cannot be reproduced by verl's pi_old."""
+    flag = "+rollout_parity.rollout_importance_sampling_mode=token_truncate"
+    with pytest.raises(ValueError, match=r"repetition_penalty=1\.1: vLLM's processed logprobs include sampler"):
+        adapter.configure_verl(compose_verl(flag, "+actor_rollout_ref.rollout.repetition_penalty=1.1"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "final_logit_softcapping": 30.0}))
+    capped = ["actor_rollout_ref.rollout.top_p=0.9", f"actor_rollout_ref.model.path={tmp_path}"]
+    if has_v1_trainer():
+        with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0: the sampler-aware r_corr"):
+            adapter.configure_verl(compose_verl(flag, *capped))
+        assert adapter.active_config() is None
+    try:  # without a truncating sampler the head is what verl and vLLM both compute: accepted
+        adapter.configure_verl(compose_verl(flag, f"actor_rollout_ref.model.path={tmp_path}"))
+    finally:
+        adapter.set_active_config(None)
+
+
+def test_bypass_under_top_p_keeps_verls_pi_old_pass():
+    """verl's own bypass_mode skips the pass that measures log S: under a truncating sampler it stays off."""
+    config = compose_verl("+rollout_parity.old_logprob_source=bypass", "actor_rollout_ref.rollout.top_p=0.9")
+    plain = compose_verl("+rollout_parity.old_logprob_source=bypass")
+    try:
+        if not has_v1_trainer():
+            with pytest.raises(ValueError, match="needs verl's V1 trainer"):
+                adapter.configure_verl(config)
+            return
+        adapter.configure_verl(config)
+        assert config.algorithm.rollout_correction.bypass_mode is False
+        assert adapter.active_sampler() == SamplerSettings(top_p=0.9)
+        adapter.configure_verl(plain)
+        assert plain.algorithm.rollout_correction.bypass_mode is True and adapter.active_sampler() is None
+    finally:
+        adapter.set_active_config(None)
+
+
 def test_sampler_metrics_name_the_boundary_tokens_and_the_kept_mass(flags):
     """top_p: log S over the tokens both keep; a token outside the trainer's kept set is named, not a NaN."""
     cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate")
     flags(cfg)
-    adapter.set_active_config(cfg, adapter.SamplerSpec(top_p=0.9))
+    adapter.set_active_config(cfg, SamplerSettings(top_p=0.9))
     old, rollout, mask, _, _ = grpo_batch(2)
     log_s = -torch.rand(old.shape, generator=torch.Generator().manual_seed(3)) * 0.3  # log kept mass per position
     processed = old - log_s

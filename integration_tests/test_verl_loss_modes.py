@@ -29,6 +29,7 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 
 from rollout_parity.adapters import verl as adapter  # noqa: E402
+from integration_tests.support.verl_equivalent import verl_equivalent  # noqa: E402
 
 from .shared_batch import all_config_names, config_for, make_shared_batch  # noqa: E402
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
@@ -98,7 +99,7 @@ def test_every_verl_loss_runs_on_our_weights_and_mask(loss_mode, name, actor_con
 
 def verl_expressible(name):
     try:
-        adapter.verl_equivalent(config_for(name))
+        verl_equivalent(config_for(name))
     except ValueError:
         return False
     return True
@@ -115,7 +116,7 @@ def test_weights_reach_every_loss_as_verls_own_correction_would_hand_them(loss_m
     ours = driver(batch, batch.old_logprobs, rollout, mask_in)
     theirs = driver(batch, batch.old_logprobs, rollout, mask_in,
                     helper_fn=helper.compute_rollout_correction_and_add_to_batch.__wrapped__,
-                    rc=adapter.verl_equivalent(cfg))
+                    rc=verl_equivalent(cfg))
     torch.testing.assert_close(ours[0], theirs[0].to(ours[0].dtype), atol=0, rtol=0)
     if cfg.rollout_importance_sampling_mode is not None:
         torch.testing.assert_close(ours[1], theirs[1], atol=1e-6, rtol=1e-6)

@@ -71,10 +71,12 @@ def main(case: str) -> dict:
 
     from rollout_parity import CorrectionConfig, compute_correction
     from rollout_parity.adapters import verl as adapter
+    from rollout_parity.adapters._patching import MARK
+    from rollout_parity.core.sampler import SamplerSettings
 
     v1 = importlib.util.find_spec("verl.trainer.ppo.v1") is not None
     trainer_base = importlib.import_module("verl.trainer.ppo.v1.trainer_base" if v1 else "verl.trainer.main_ppo_sync")
-    patched = hasattr(trainer_base.compute_rollout_correction_and_add_to_batch, adapter._PATCH_MARK)
+    patched = hasattr(trainer_base.compute_rollout_correction_and_add_to_batch, MARK)
     if case == "bypass":
         cfg = CorrectionConfig(old_logprob_source="bypass", rollout_rejection=["seq_sum_k3"],
                                rollout_rejection_threshold=0.05)
@@ -83,7 +85,7 @@ def main(case: str) -> dict:
         cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate",
                                rollout_importance_sampling_threshold=1.5, rollout_rejection=["seq_sum_k3"],
                                rollout_rejection_threshold=0.05)
-        sampler = adapter.SamplerSpec(top_p=0.9) if case == "decoupled" else None
+        sampler = SamplerSettings(top_p=0.9) if case == "decoupled" else None
     adapter.set_active_config(cfg, sampler)
 
     g = torch.Generator().manual_seed(0)

@@ -29,6 +29,9 @@ REJECTION_OPTIONS = (
 )
 
 ThresholdSpec = Union[float, str, Sequence[float]]
+#: Flags that take a list (a comma-separated string on a command line).
+LIST_FLAGS = ("rollout_rejection", "rollout_rejection_threshold")
+_NULL_TEXT = ("", "none", "null")
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,43 @@ def parse_rejection(options: Sequence[str], thresholds: Any) -> tuple[RejectionR
         else:
             rules.append(RejectionRule(option, level, estimator, upper=_parse_upper(option, spec)))
     return tuple(rules)
+
+
+def _number_or_text(text: str) -> Any:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # a mode name, or a K1 range such as '0.5_2.0'
+
+
+def flag_from_text(name: str, raw: Any) -> Any:
+    """One flag's value as a command line or a string-typed config field gives it, in the core's types.
+
+    ``null``/``none``/empty is None; ``true``/``false`` are bools; list flags take a comma-separated
+    string or a list of such strings (rejection options stay strings, thresholds become numbers
+    where numeric, and a single threshold is a scalar); any other flag becomes a number where numeric
+    (``'0.001'``) and stays a string otherwise (modes, K1 ranges such as ``'0.5_2.0'``). Values that
+    are not strings pass through. Used by ``rollout-parity launch`` and TRL's ``ParityGRPOConfig``.
+    """
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.lower() in _NULL_TEXT:
+            return None
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if name not in LIST_FLAGS:
+            return _number_or_text(text)
+        raw = [text]
+    if name not in LIST_FLAGS or not isinstance(raw, (list, tuple)):
+        return raw
+    items = [part.strip() for item in raw for part in (item.split(",") if isinstance(item, str) else [item])]
+    items = [item for item in items if not (isinstance(item, str) and item.lower() in _NULL_TEXT)]
+    if not items:
+        return None
+    if name == "rollout_rejection":
+        return [str(item) for item in items]
+    items = [_number_or_text(item) if isinstance(item, str) else item for item in items]
+    return items[0] if len(items) == 1 else items
 
 
 def configs_dir() -> Path:

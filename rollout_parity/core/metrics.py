@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import torch
 
+from .distributed import all_reduce
 from .ratios import LOG_RATIO_BOUND, TokenStats
 
 PREFIX = "rollout_correction/"
@@ -49,17 +50,6 @@ _SUM_KEYS = (
     "rej_tok", "rej_seq", "off_seq", "nonfinite", "c_pos", "c_neg", "c_roll_pos", "c_roll_neg",
 )
 _MAX_KEYS = ("delta_abs_max", "lpd_max", "neg_lpd_min")
-
-
-def _all_reduce(sums: torch.Tensor, maxes: torch.Tensor, process_group: Any) -> None:
-    if process_group is None:
-        return
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("process_group given but torch.distributed is not initialised")
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=process_group)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=process_group)
 
 
 def correction_metrics(
@@ -170,7 +160,8 @@ def correction_metrics(
 
     sums = torch.stack([s[k].to(torch.float64) for k in _SUM_KEYS])
     maxes = torch.stack([m[k].to(torch.float64) for k in _MAX_KEYS])
-    _all_reduce(sums, maxes, process_group)
+    all_reduce(sums, process_group)
+    all_reduce(maxes, process_group, "max")
     values = torch.cat([sums, maxes]).tolist()  # the one host sync
     g = dict(zip(_SUM_KEYS + _MAX_KEYS, values))
     return _finalise(g)

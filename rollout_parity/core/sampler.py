@@ -54,11 +54,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import all_reduce
 from .ratios import check_shapes
 
 __all__ = [
-    "HeadLogprobs", "SamplerLogprobs", "SamplerSupportWarning", "kept_mass_metrics", "processed_logits",
-    "sampler_logprobs", "sampler_logprobs_from_hidden",
+    "HeadLogprobs", "SamplerLogprobs", "SamplerSettings", "SamplerSupportWarning", "kept_mass_metrics",
+    "processed_logits", "rollout_on_full_vocabulary", "sampler_logprobs", "sampler_logprobs_from_hidden",
 ]
 
 # vLLM's threshold below which a temperature means greedy sampling (sampling_params.py).
@@ -93,6 +94,35 @@ def _check_params(temperature: float, top_k: int | None, top_p: float, min_p: fl
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """The rollout's sampling parameters that shape vLLM's processed logprobs (one per run).
+
+    ``top_k`` of None, 0 or -1 is off (stored as None), as in vLLM and every framework we adapt.
+    Validated at construction with the rules of :func:`sampler_logprobs`.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        top_k = None if self.top_k is None or int(self.top_k) <= 0 else int(self.top_k)
+        object.__setattr__(self, "top_k", top_k)
+        for name in ("temperature", "top_p", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        _check_params(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
+    def truncates(self) -> bool:
+        """True when vLLM renormalises over a kept set (processed != full-vocabulary logprobs)."""
+        return self.top_k is not None or self.top_p < 1.0 or self.min_p > 0.0
+
+    def to_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
 
 def processed_logits(
@@ -349,8 +379,25 @@ def kept_mass_metrics(log_kept_mass: torch.Tensor, response_mask: torch.Tensor,
     outside = valid & torch.isposinf(log_s)
     sums = torch.stack([torch.where(inside, log_s, 0.0).sum(), inside.sum().to(torch.float64),
                         outside.sum().to(torch.float64), valid.sum().to(torch.float64)])
-    if process_group is not None:
-        torch.distributed.all_reduce(sums, group=process_group)
-    total, n_inside, n_outside, n_valid = sums.tolist()
+    total, n_inside, n_outside, n_valid = all_reduce(sums, process_group).tolist()
     return {"rollout_correction/sampler_log_kept_mass": total / n_inside if n_inside else 0.0,
             "rollout_correction/sampler_outside_kept_frac": n_outside / n_valid if n_valid else 0.0}
+
+
+def rollout_on_full_vocabulary(rollout_logprobs: torch.Tensor, full_old: torch.Tensor,
+                               processed_old: torch.Tensor) -> torch.Tensor:
+    """pi_rollout on the trainer's full-vocabulary support: ``log q + log S``, for bypass.
+
+    Under ``old_logprob_source=bypass`` the PPO ratio is pi_theta / pi_rollout. With a truncating
+    sampler the engine's processed log q = log p_T - log S is renormalised over the kept set while
+    the trainer's pi_theta is a full-vocabulary log-softmax, so the ratio would carry log S, a bias
+    of one sign (verl#6240). Adding the trainer's log S (``full_old - processed_old``, measured at
+    the same weights) puts pi_rollout back on the trainer's support; at parity the ratio is then 1.
+    Where the trainer's kept set misses the token (log S = +inf) or the engine's value is not
+    finite, the trainer's own ``full_old`` stands in (a neutral ratio), as DESIGN.md's bad-input
+    rules ask; those tokens are counted by :func:`kept_mass_metrics` and ``nonfinite_frac``.
+    """
+    check_shapes("rollout_logprobs", rollout_logprobs, full_old=full_old, processed_old=processed_old)
+    log_s = full_old - processed_old
+    moved = rollout_logprobs + log_s.to(rollout_logprobs.dtype)
+    return torch.where(torch.isfinite(moved), moved, full_old.to(rollout_logprobs.dtype))

@@ -1,0 +1,76 @@
+"""Refusals that hold whatever framework runs the loss: what r_corr cannot be made to mean.
+
+vLLM's processed logprobs are the distribution it sampled from; the trainer reproduces it only
+for temperature, top-k, top-p and min-p (``core/sampler.py``). Each adapter reads its framework's
+sampler settings, penalties and model config and hands them here, before anything is patched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+from rollout_parity.core.config import CorrectionConfig
+from rollout_parity.core.sampler import SamplerSettings
+
+__all__ = ["SAMPLER_PENALTIES", "HEAD_MODIFIERS", "needs_rollout_logprobs", "active_penalties", "head_modifiers",
+           "refuse_unmatched_sampler", "describe_flags"]
+
+#: vLLM ``SamplingParams`` that change its processed logprobs in ways no trainer log-prob reproduces.
+SAMPLER_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
+                     "allowed_token_ids", "min_tokens")
+#: Model-config fields that scale or soft-cap the head's logits: the kept set is then not a plain linear head's.
+HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                  "logits_scaling")
+_NEUTRAL = (None, 1, 1.0, 0, 0.0, [], {}, ())
+
+
+def _items(values: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
+
+
+def describe_flags(cfg: CorrectionConfig) -> str:
+    """The flags that differ from their defaults, as ``name=value`` (for messages)."""
+    default = CorrectionConfig().to_dict()
+    return _items({k: v for k, v in cfg.to_dict().items() if v != default[k]}) or "defaults"
+
+
+def needs_rollout_logprobs(cfg: CorrectionConfig) -> bool:
+    """The flags read the sampler's logprobs (a correction, diagnostics, or pi_old := pi_rollout)."""
+    return cfg.wants_metrics or cfg.old_logprob_source == "bypass"
+
+
+def active_penalties(get: Callable[[str], Any]) -> dict[str, Any]:
+    """The sampler penalties ``get(name)`` reports at a non-neutral value."""
+    return {name: value for name in SAMPLER_PENALTIES if (value := get(name)) not in _NEUTRAL}
+
+
+def head_modifiers(model_config: Any) -> dict[str, Any]:
+    """The head modifiers a Hugging Face config (or its text config) sets at a non-neutral value."""
+    if model_config is None:
+        return {}
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    get = text.get if isinstance(text, Mapping) else (lambda k, d=None: getattr(text, k, d))
+    return {name: value for name in HEAD_MODIFIERS if (value := get(name, None)) not in _NEUTRAL}
+
+
+def refuse_unmatched_sampler(cfg: CorrectionConfig, sampler: SamplerSettings, *,
+                             penalties: Mapping[str, Any] = {}, modifiers: Mapping[str, Any] = {},
+                             trainer_temperature: Optional[float] = None) -> None:
+    """Raise ``ValueError`` naming the setting when the trainer cannot reproduce vLLM's processed logprobs.
+
+    Only when the flags read the sampler's logprobs: a trainer temperature other than the sampler's,
+    sampler penalties (when the flags change the loss; diagnostics alone may measure them), and a
+    truncating sampler over a scaled or soft-capped head.
+    """
+    if not needs_rollout_logprobs(cfg):
+        return
+    if trainer_temperature is not None and float(trainer_temperature) != sampler.temperature:
+        raise ValueError(f"the sampler's temperature={sampler.temperature} but the trainer's log-probs use "
+                         f"temperature={trainer_temperature}: r_corr would compare two temperatures")
+    if penalties and cfg.changes_loss:
+        raise ValueError(f"{_items(penalties)}: vLLM's processed logprobs include sampler penalties no trainer "
+                         "log-prob reproduces, so r_corr would correct them as mismatch (metrics alone may measure it)")
+    if sampler.truncates and modifiers:
+        raise ValueError(f"top_k={sampler.top_k}, top_p={sampler.top_p}, min_p={sampler.min_p} with a head that has "
+                         f"{_items(modifiers)}: the sampler-aware r_corr renormalises a plain linear head's logits, "
+                         "not scaled or soft-capped ones")

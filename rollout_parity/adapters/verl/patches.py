@@ -1,0 +1,59 @@
+"""Where the verl adapter meets verl: the names it wraps, through the shared patch layer.
+
+Each point names a verl function or method, where verl looks it up by value, and the behaviour
+the wrapper adds (in the rooms ``config``, ``driver``, ``loss``, ``actor``, ``compat``). Every
+wrapper passes straight through while a process has no flags. ``adapters/_patching.py`` does the
+wrapping, the bookkeeping, the import hook and the revert; docs/verl.md has the table in prose.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rollout_parity.adapters._patching import ModulePatcher, PatchPoint
+from rollout_parity.adapters.verl.actor import forward_step_with_sampler_pass, fp32_head_after_build
+from rollout_parity.adapters.verl.compat import TESTED_VERL, trl_lacking_value_head
+from rollout_parity.adapters.verl.config import configure_verl
+from rollout_parity.adapters.verl.driver import batch_in_flight, rollout_correction_helper
+from rollout_parity.adapters.verl.loss import policy_loss_fn, ppo_loss_with_global_metrics
+
+__all__ = ["PATCH_POINTS", "patcher"]
+
+
+def _configure_then(original: Callable, config: Any, *args: Any, **kwargs: Any) -> Any:
+    """verl's ``validate_config``, after :func:`configure_verl` (idempotent)."""
+    configure_verl(config)
+    return original(config, *args, **kwargs)
+
+
+def _configure_after(original: Callable, config: Any, *args: Any, **kwargs: Any) -> Any:
+    """verl's ``auto_set_device``: the first call of every verl ``main`` with the composed config,
+    in the driver, before Ray starts (verl 0.8's ``main_ppo`` validates only after ``ray.init``)."""
+    result = original(config, *args, **kwargs)
+    configure_verl(config)
+    return result
+
+
+PATCH_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint("verl.utils.device", "auto_set_device", _configure_after,
+               callers=("verl.trainer.main_ppo", "verl.trainer.main_ppo_sync"), eager=True),
+    PatchPoint("verl.utils.config", "validate_config", _configure_then,
+               callers=("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0", "verl.trainer.main_ppo_sync"), eager=True),
+    PatchPoint("verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch",
+               rollout_correction_helper, callers=("verl.trainer.ppo.v1.trainer_base", "verl.trainer.main_ppo_sync"),
+               eager=True),
+    PatchPoint("verl.trainer.ppo.core_algos", "get_policy_loss_fn", policy_loss_fn,
+               callers=("verl.workers.utils.losses", "verl.trainer.distillation.losses"), eager=True),
+    PatchPoint("verl.workers.utils.losses", "ppo_loss", ppo_loss_with_global_metrics,
+               callers=("verl.workers.engine_workers", "verl.trainer.distillation.losses")),
+    PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine._build_module", fp32_head_after_build),
+    PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.forward_step",
+               forward_step_with_sampler_pass),
+    PatchPoint("verl.models.transformers.monkey_patch", "is_trl_available", trl_lacking_value_head),
+    # verl 0.9's V1 trainer. verl 0.8's main_ppo_sync has the same method, but ``python -m`` runs
+    # that module as __main__ and Ray pickles its PPOTrainer by value: no import to patch on, so
+    # what needs this hook is refused there at start (config.py).
+    PatchPoint("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage", batch_in_flight, optional=True),
+)
+
+patcher = ModulePatcher("verl", PATCH_POINTS, distributions=("verl",), tested=TESTED_VERL, extra="verl")
