@@ -246,7 +246,7 @@ def test_every_loss_type_and_option_runs_through_trl_own_loss(run, loss_type, op
         assert log["kl"] > 0
 
 
-def _sampled_step(trainer, recorder, top_p, generation_kwargs):
+def _sampled_step(trainer, recorder, top_p, generation_kwargs, extra_keys=()):
     """One step with real vLLM sampling at these parameters (no deliberate shift); the batch's tensors."""
     generation = trainer.vllm_generation
     saved = generation.top_p, generation.generation_kwargs, generation.generate
@@ -257,7 +257,7 @@ def _sampled_step(trainer, recorder, top_p, generation_kwargs):
         generation.top_p, generation.generation_kwargs, generation.generate = saved
     assert len(recorder.inputs) == 2  # the two slices of the generation batch the metrics describe
     keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_per_token_logps",
-            "sampling_per_token_logps", "rollout_parity/old")
+            "sampling_per_token_logps", "rollout_parity/old", *extra_keys)
     return log, {k: torch.cat([i[k] for i in recorder.inputs]) for k in keys}
 
 
@@ -298,6 +298,32 @@ def test_sampler_aware_ratio_at_top_p_top_k_is_at_parity_level(run):
     assert log["rollout_correction/is_weight_mean"] == pytest.approx(1.0, abs=0.02)
 
 
+def test_bypass_at_top_p_hands_trl_pi_rollout_on_the_trainers_support(run):
+    """bypass + top_p: TRL's loss gets pi_old := rollout + log S (the trainer's kept mass), not vLLM's
+    renormalised logprobs, so its PPO ratio at the start of the update sits at parity, not at log S."""
+    trainer, recorder = run
+    _, untruncated = _sampled_step(trainer, recorder, 1.0, {})
+    valid = untruncated["completion_mask"].bool()
+    parity = (untruncated["old_per_token_logps"] - untruncated["sampling_per_token_logps"])[valid].abs().mean()
+    trl_adapter.apply(trainer, CorrectionConfig(old_logprob_source="bypass", log_rollout_offpolicy_metrics=True,
+                                                fp32_lm_head=True))
+    try:
+        log, inputs = _sampled_step(trainer, recorder, 0.9, {"top_k": 20},
+                                    extra_keys=("rollout_parity/kept_mass", "rollout_parity/trl/old_per_token_logps"))
+    finally:
+        trl_adapter.apply(trainer, CORRECTION)
+    valid = inputs["completion_mask"].bool()
+    handed, trl_old = inputs["old_per_token_logps"], inputs["rollout_parity/trl/old_per_token_logps"]
+    rollout, log_s = inputs["sampling_per_token_logps"], inputs["rollout_parity/kept_mass"]
+    inside = valid & log_s.isfinite() & rollout.isfinite()
+    expected = torch.where(inside, rollout + log_s, trl_old)  # naive: TRL's own pi_old where no value is comparable
+    torch.testing.assert_close(handed[valid], expected[valid], atol=1e-6, rtol=0)
+    assert inside.float().sum() > 0.95 * valid.float().sum()
+    assert (rollout - trl_old)[inside].mean() > 0.05  # vLLM's renormalised logprobs: -log S above TRL's
+    assert (handed - trl_old)[inside].abs().mean() < 5 * parity  # the ratio's denominator at parity level
+    assert log["rollout_correction/sampler_log_kept_mass"] < -0.05
+
+
 def test_refusals_name_the_option_and_leave_the_state(run):
     trainer, _ = run
     state = trainer.__dict__["_rollout_parity"]
@@ -328,14 +354,16 @@ def test_refusals_name_the_option_and_leave_the_state(run):
         assert trainer.rollout_correction == CORRECTION
     trainer.vllm_generation.top_p = 0.9
     try:
-        with pytest.raises(ValueError, match="bypass.*truncating sampler"):
-            trl_adapter.apply(trainer, CorrectionConfig(old_logprob_source="bypass",
-                                                        log_rollout_offpolicy_metrics=True))
+        trainer.vllm_generation.repetition_penalty = 1.1
+        with pytest.raises(ValueError, match="repetition_penalty=1.1: vLLM's processed logprobs include"):
+            trl_adapter.apply(trainer, CorrectionConfig(rollout_importance_sampling_mode="token_mask"))
+        trainer.vllm_generation.repetition_penalty = 1.0
         trainer.vllm_generation.generation_kwargs = {"temperature": 0.7}
         with pytest.raises(ValueError, match="temperature=0.7"):
             trl_adapter.apply(trainer, CorrectionConfig(rollout_importance_sampling_mode="token_mask"))
     finally:
         trainer.vllm_generation.top_p, trainer.vllm_generation.generation_kwargs = 1.0, {}
+        trainer.vllm_generation.repetition_penalty = 1.0
     assert trainer.rollout_correction == CORRECTION
 
 

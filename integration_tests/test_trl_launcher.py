@@ -62,7 +62,7 @@ def test_launch_binds_trl_names_with_the_flags_and_restores_them(probe, tmp_path
                    "--rollout_importance_sampling_threshold", "3"])  # the script's own flag wins over the default
     assert code == 0
     seen = _read(tmp_path)
-    assert seen["trainer_mro"][1:] == ["rollout_parity.adapters.trl.ParityGRPOTrainer",
+    assert seen["trainer_mro"][1:] == ["rollout_parity.adapters.trl.trainer.ParityGRPOTrainer",
                                        "trl.trainer.grpo_trainer.GRPOTrainer"]
     expected = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_sum_k3",
                                 "token_k2"], rollout_rejection_threshold=[0.001, 0.5], fp32_lm_head=True)

@@ -28,7 +28,7 @@ from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 
-from rollout_parity.adapters import verl as adapter  # noqa: E402
+from rollout_parity.adapters import verl as adapter  # noqa: E402,F401 (importing it applies the patches)
 from integration_tests.support.verl_equivalent import verl_equivalent  # noqa: E402
 
 from .shared_batch import all_config_names, config_for, make_shared_batch  # noqa: E402

@@ -6,7 +6,6 @@ on. The patch is a class attribute looked up at call time, so one engine shows b
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest

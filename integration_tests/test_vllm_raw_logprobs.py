@@ -7,7 +7,6 @@ Its counterpart with ``processed_logprobs`` is tested in test_vllm_parity.py.
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest

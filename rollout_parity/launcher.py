@@ -31,11 +31,10 @@ import sys
 import typing
 from typing import Any, Callable, Optional, Sequence
 
-from rollout_parity.core.config import CorrectionConfig
+from rollout_parity.core.config import LIST_FLAGS, CorrectionConfig, flag_from_text
 
 __all__ = ["main", "build_parser", "install", "correction_from_args"]
 
-_LIST_FLAGS = ("rollout_rejection", "rollout_rejection_threshold")
 _BOOL_FLAGS = ("log_rollout_offpolicy_metrics", "fp32_lm_head")
 
 
@@ -55,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         if field.name in _BOOL_FLAGS:
             parser.add_argument(f"--{field.name}", action="store_true", default=None, help=help_text)
         else:  # one value each, so the script's path is never taken for a flag value; lists are comma-separated
-            metavar = "A,B" if field.name in _LIST_FLAGS else "VALUE"
+            metavar = "A,B" if field.name in LIST_FLAGS else "VALUE"
             parser.add_argument(f"--{field.name}", default=None, metavar=metavar, help=help_text)
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE ...",
                         help="run a module as a script, with the arguments that follow (like python -m)")
@@ -63,26 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _value(name: str, raw: Any) -> Any:
-    """A command-line string in the core's types: ``null`` as None, comma lists, numbers where numeric."""
-    if not isinstance(raw, str) or raw.lower() in ("null", "none"):
-        return None if isinstance(raw, str) else raw
-    if name not in _LIST_FLAGS:
-        return _number(raw)
-    items = [v.strip() if name == "rollout_rejection" else _number(v.strip()) for v in raw.split(",")]
-    return items if name == "rollout_rejection" or len(items) > 1 else items[0]
-
-
-def _number(raw: str) -> Any:
-    try:
-        return float(raw)
-    except ValueError:
-        return raw  # a mode name, or a K1 range such as '0.5_2.0'
-
-
 def correction_from_args(args: argparse.Namespace) -> CorrectionConfig:
     """The ``CorrectionConfig`` of the launcher's flags (a preset, overridden by the flags given)."""
-    given = {f.name: _value(f.name, getattr(args, f.name)) for f in dataclasses.fields(CorrectionConfig)
+    given = {f.name: flag_from_text(f.name, getattr(args, f.name)) for f in dataclasses.fields(CorrectionConfig)
              if getattr(args, f.name) is not None}
     return CorrectionConfig.preset(args.preset, **given) if args.preset else CorrectionConfig(**given)
 
@@ -96,13 +78,14 @@ def install(cfg: CorrectionConfig) -> tuple[Callable[[], None], list]:
     import trl
     import trl.trainer
 
+    from rollout_parity.adapters._patching import Patches
     from rollout_parity.adapters.trl import ParityGRPOConfig, ParityGRPOTrainer
 
     hints = typing.get_type_hints(ParityGRPOConfig)
     fields = []
     for name, value in cfg.to_dict().items():  # the launcher's flags become the shared fields' defaults
         metadata = ParityGRPOConfig.__dataclass_fields__[name].metadata
-        if name in _LIST_FLAGS and value is not None:  # list fields take list defaults (TRL's parser needs them)
+        if name in LIST_FLAGS and value is not None:  # list fields take list defaults (TRL's parser needs them)
             items = value if isinstance(value, list) else [value]
             default = dataclasses.field(default_factory=lambda v=items: list(v), metadata=metadata)
         else:
@@ -121,19 +104,12 @@ def install(cfg: CorrectionConfig) -> tuple[Callable[[], None], list]:
     trainer_class = type("GRPOTrainer", (ParityGRPOTrainer,), {
         "rollout_correction_default": cfg, "__init__": record, "__module__": __name__,
         "__doc__": f"TRL's GRPOTrainer with rollout-parity (rollout-parity launch: {cfg.to_dict()})."})
-    modules = (trl, trl.trainer)
-    saved = [(module, name, module.__dict__.get(name)) for module in modules for name in ("GRPOConfig", "GRPOTrainer")]
-    for module in modules:
-        module.GRPOConfig, module.GRPOTrainer = config_class, trainer_class
-
-    def uninstall() -> None:
-        for module, name, previous in saved:
-            if previous is None:
-                module.__dict__.pop(name, None)  # TRL's lazy module imports it again on the next access
-            else:
-                setattr(module, name, previous)
-
-    return uninstall, built
+    # A name TRL's lazy module had not bound yet is unbound again on revert (imported anew on next access).
+    patches = Patches()
+    for module in (trl, trl.trainer):
+        patches.replace(module, "GRPOConfig", config_class)
+        patches.replace(module, "GRPOTrainer", trainer_class)
+    return patches.revert, built
 
 
 def _parity_config(state: dict) -> Any:

@@ -32,7 +32,6 @@ RANKS = 2
 
 def _corrected(name: str):
     """The shared batch after our driver hook (verl's helper), and verl's normalisers for it."""
-    import torch
     from verl import DataProto
     from verl.trainer.ppo import rollout_corr_helper as helper
 

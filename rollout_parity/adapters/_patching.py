@@ -45,8 +45,13 @@ def mark(fn: Callable) -> Callable:
 
 
 def wrapper(original: Callable, behaviour: Callable) -> Callable:
-    """``functools.wraps(original)`` around ``behaviour(original, *args, **kwargs)``, marked."""
-    @functools.wraps(original)
+    """``functools.wraps(original)`` around ``behaviour(original, *args, **kwargs)``, marked.
+
+    A class (a module global such as TRL's ``LLM``) lends its names, not its namespace.
+    """
+    updated = () if isinstance(original, type) else functools.WRAPPER_UPDATES
+
+    @functools.wraps(original, updated=updated)
     def patched(*args: Any, **kwargs: Any) -> Any:
         return behaviour(original, *args, **kwargs)
 

@@ -166,7 +166,8 @@ def flag_from_text(name: str, raw: Any) -> Any:
         raw = [text]
     if name not in LIST_FLAGS or not isinstance(raw, (list, tuple)):
         return raw
-    items = [part.strip() for item in raw for part in (item.split(",") if isinstance(item, str) else [item])]
+    items = [part.strip() if isinstance(part, str) else part
+             for item in raw for part in (item.split(",") if isinstance(item, str) else [item])]
     items = [item for item in items if not (isinstance(item, str) and item.lower() in _NULL_TEXT)]
     if not items:
         return None

@@ -19,7 +19,6 @@ This module is torch-free and never imports vLLM: the installed version is read 
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .config import configs_dir
+from .versions import installed_version
 
 __all__ = [
     "RECIPE_ENGINE_KWARGS",
@@ -100,12 +100,7 @@ def installed_vllm_version() -> str | None:
     mod = sys.modules.get("vllm")
     if mod is not None and isinstance(getattr(mod, "__version__", None), str):
         return mod.__version__
-    for dist in _DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    return installed_version(_DISTRIBUTIONS)
 
 
 def _has_knob(knob: str, version: str | None) -> bool:

@@ -1,0 +1,46 @@
+"""The diagnostics only TRL's loss can see, from a pass-through that returns TRL's loss untouched.
+
+C(r) split by the sign of the advantage, the off-policy share and ``policy/ppo_kl`` need pi_theta of
+each micro-step: ``observed_forward`` (generation.py) keeps what TRL's loss forward computed, and
+:func:`diagnosed_loss` hands it to the core with the batch's pi_old, pi_rollout and masks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from rollout_parity.adapters.trl.generation import KEY, ORIGINAL, THETA_METRICS, process_group
+from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.distributed import masked_mean
+
+__all__ = ["diagnosed_loss"]
+
+
+def diagnosed_loss(state: Any, original: Any, model: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """TRL's ``_compute_loss``, returned untouched, plus the diagnostics that need its pi_theta."""
+    state.loss_logps = []
+    try:
+        loss = original(model, inputs)
+        captured = state.loss_logps
+    finally:
+        state.loss_logps = None
+    if not captured or KEY + "old" not in inputs:
+        return loss
+    trainer = original.__self__
+    current, old = captured[0], inputs[KEY + "old"]
+    rollout = inputs.get(ORIGINAL + "sampling_per_token_logps", inputs["sampling_per_token_logps"])
+    group = process_group(trainer)
+    # pi_theta minus the same log(kept mass): pi_theta / pi_old is TRL's PPO ratio, times r_corr the rollout one.
+    out = compute_correction(state.config, old_logprobs=old, rollout_logprobs=rollout,
+                             response_mask=inputs[KEY + "response_mask"], advantages=inputs["advantages"],
+                             current_logprobs=current - inputs[KEY + "kept_mass"], process_group=group,
+                             with_metrics=True)
+    in_loss = (inputs["completion_mask"] * inputs.get("tool_mask", 1)) != 0  # TRL's loss tokens
+    drift = (inputs["old_per_token_logps"] - current).nan_to_num(0.0, 0.0, 0.0)
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    for name in THETA_METRICS:
+        metrics[name].append(out.metrics[name])
+    metrics["policy/ppo_kl"].append(masked_mean(drift, in_loss, group))
+    return loss

@@ -1,0 +1,107 @@
+"""TRL's vLLM engine on the parity recipe: colocated engines built with it, servers checked against it.
+
+:func:`parity_vllm_engine` wraps the ``LLM`` global of ``trl.generation.vllm_generation`` while TRL
+builds its colocated engine (``vllm_parity_kwargs`` merged over TRL's kwargs, each change logged);
+:func:`server_command` prints the ``trl vllm-serve`` line of the recipe; :func:`check_engine` reads
+the engine's resolved settings at ``apply`` and refuses raw logprobs. docs/trl.md, "The engine".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shlex
+from typing import Any, Iterator, Optional
+
+from rollout_parity.adapters._patching import Patches
+from rollout_parity.adapters._refusals import needs_rollout_logprobs
+from rollout_parity.core.config import CorrectionConfig
+
+__all__ = ["parity_vllm_engine", "server_command", "check_engine"]
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "off") -> Iterator[dict]:
+    """Build TRL's colocated ``vllm.LLM`` with the parity recipe while the block runs.
+
+    TRL's kwargs plus ``vllm_parity_kwargs`` (the recipe wins, ``hf_overrides`` merge). Yields a
+    dict that gets the final kwargs under ``"kwargs"``. Nested blocks leave the outer one's wrapper.
+    """
+    from trl.generation import vllm_generation
+
+    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+
+    built: dict[str, Any] = {}
+    if getattr(vllm_generation, "LLM", None) is None:  # no vLLM: TRL raises its own error
+        yield built
+        return
+    recipe = vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy)
+
+    def with_recipe(original: Any, *args: Any, **kwargs: Any) -> Any:
+        merged = {**kwargs, **recipe}
+        if "hf_overrides" in recipe:
+            merged["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), **recipe["hf_overrides"]}
+        changed = [f"{k}: {kwargs.get(k)!r} -> {merged[k]!r}" for k in merged if kwargs.get(k) != merged[k]]
+        if changed:
+            logger.info("rollout-parity: TRL's vLLM engine built with the parity recipe: %s", ", ".join(changed))
+        built["kwargs"] = merged
+        return original(*args, **merged)
+
+    patches = Patches()
+    patches.wrap(vllm_generation, "LLM", with_recipe, dotted="trl.generation.vllm_generation.LLM")
+    try:
+        yield built
+    finally:
+        patches.revert()
+
+
+def server_command(model: str, fp32_lm_head: bool = False, prefix_cache_policy: str = "off",
+                   extra_args: Optional[list[str]] = None) -> str:
+    """The ``trl vllm-serve`` command that serves ``model`` with the parity recipe (TRL forwards
+    what it does not know to ``vllm serve``; it adds ``--logprobs-mode processed_logprobs`` itself)."""
+    from rollout_parity.core.vllm_recipe import vllm_serve_flags
+
+    flags = vllm_serve_flags(fp32_lm_head, prefix_cache_policy, style="trl")
+    return shlex.join(["trl", "vllm-serve", "--model", str(model), *flags, *(extra_args or [])])
+
+
+def _server_checks(generation: Any, cfg: CorrectionConfig) -> dict[str, bool]:
+    client = generation.vllm_client
+    info = client.get_server_info() if hasattr(client, "get_server_info") else client._get(  # TRL 1.15
+        f"{client.base_url}/server_info", params={"config_format": "json"})["vllm_config"]
+    model = info["model_config"]
+    checks = {"logprobs_mode": model.get("logprobs_mode") == "processed_logprobs",
+              "async_scheduling_off": not info["scheduler_config"].get("async_scheduling"),
+              "prefix_caching_off": not info["cache_config"].get("enable_prefix_caching")}
+    if cfg.fp32_lm_head:
+        head = model.get("head_dtype") or (model.get("hf_overrides") or {}).get("head_dtype") or model["dtype"]
+        checks["fp32_lm_head"] = str(head).replace("torch.", "") in ("float32", "fp32")
+    return checks
+
+
+def check_engine(trainer: Any, cfg: CorrectionConfig) -> Optional[dict[str, bool]]:
+    """TRL's vLLM (colocated, or a server via TRL's client) against the recipe: warn; raise for raw logprobs."""
+    generation, mode = getattr(trainer, "vllm_generation", None), getattr(trainer, "vllm_mode", None)
+    if not trainer.use_vllm or generation is None or not trainer.accelerator.is_main_process:
+        return None
+    try:
+        if mode == "server":
+            checks = _server_checks(generation, cfg)
+        else:
+            from rollout_parity.core.vllm_recipe import verify_engine
+
+            checks = verify_engine(generation.llm, fp32_lm_head=cfg.fp32_lm_head)
+    except Exception as exc:  # noqa: BLE001 - e.g. a server without /server_info: say so, do not guess
+        logger.warning("rollout-parity: could not read TRL's vLLM %s configuration (%s): recipe unverified", mode, exc)
+        return None
+    failed = [k for k, ok in checks.items() if not ok]
+    if "logprobs_mode" in failed and needs_rollout_logprobs(cfg):
+        raise ValueError(f"TRL's vLLM {mode} engine returns raw logprobs, not processed_logprobs: r_corr would carry "
+                         "the sampler's temperature and truncation as mismatch (--logprobs-mode processed_logprobs)")
+    if failed:
+        logger.warning("rollout-parity: TRL's vLLM %s engine misses the parity recipe (%s); use ParityGRPOTrainer "
+                       "(colocate) or serve with: %s", mode, ", ".join(failed),
+                       server_command(trainer.model.name_or_path, fp32_lm_head=cfg.fp32_lm_head))
+    return checks

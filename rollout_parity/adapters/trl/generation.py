@@ -1,0 +1,167 @@
+"""The hand-over: ``compute_correction`` once per TRL generation batch, into TRL's own channels.
+
+TRL's ``_generate_and_score_completions`` builds the batch (sampler logprobs, pi_old, masks,
+``num_items_in_batch``, its own ``importance_sampling_ratio``) reused for every micro-step of the
+window. After it, our weights go into ``importance_sampling_ratio``, rejected tokens out of the
+loss-only ``tool_mask`` and ``num_items_in_batch`` (never ``completion_mask``, the attention mask),
+and under bypass pi_rollout into ``old_per_token_logps``. With a truncating sampler a hook on TRL's
+pi_old forward measures log S from its hidden states (chunked fp32 head), so r_corr compares
+processed with processed. docs/trl.md, "What reaches TRL's loss".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+import torch
+
+from rollout_parity.adapters._compat import FrameworkAPIError
+from rollout_parity.adapters.trl.refusals import MissingRolloutLogprobsError, refuse_trainer
+from rollout_parity.adapters._refusals import describe_flags
+from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.distributed import all_reduce, masked_summary
+from rollout_parity.core.ratios import check_shapes
+from rollout_parity.core.sampler import kept_mass_metrics, rollout_on_full_vocabulary, sampler_logprobs_from_hidden
+
+__all__ = ["KEY", "ORIGINAL", "TRL_SAMPLING_METRICS", "THETA_METRICS", "checked_generate", "observed_forward",
+           "corrected_generation", "process_group"]
+
+KEY = "rollout_parity/"  # our per-row tensors in TRL's batch dict (split and shuffled with it)
+ORIGINAL = KEY + "trl/"  # TRL's own value of a key we replaced (None: TRL had none)
+TRL_SAMPLING_METRICS = tuple(f"sampling/{k}" for k in (
+    "sampling_logp_difference/mean", "sampling_logp_difference/max", "importance_sampling_ratio/min",
+    "importance_sampling_ratio/mean", "importance_sampling_ratio/max"))
+#: Diagnostics that need pi_theta or the advantages: the loss pass-through logs them (diagnostics.py).
+THETA_METRICS = tuple(f"rollout_correction/{k}" for k in (
+    "loss_contrib_pos", "loss_contrib_neg", "loss_contrib_rollout_pos", "loss_contrib_rollout_neg",
+    "off_policy_masked_frac"))
+
+
+def process_group(trainer: Any) -> Any:
+    distributed = trainer.accelerator.num_processes > 1 and torch.distributed.is_initialized()
+    return torch.distributed.group.WORLD if distributed else None
+
+
+def checked_generate(state: Any, original: Any, prompts: list) -> tuple:
+    """TRL's ``_generate``, checked before TRL's own ratio code reads its sampler logprobs."""
+    result = original(prompts)
+    completion_ids, logprobs = result[1], result[4]  # TRL 1.15-1.16: (prompt_ids, completion_ids, tool_mask, ..)
+    if logprobs is None:
+        raise MissingRolloutLogprobsError(f"{describe_flags(state.config)} needs the sampler's per-token logprobs, "
+                                          "but the generator returned none (a rollout_func must return 'logprobs')")
+    for ids, lps in zip(completion_ids, logprobs):  # one list per completion, aligned token by token
+        if len(ids) != len(lps):
+            check_shapes("completion_ids", torch.empty(1, len(ids), device="meta"),
+                         sampling_logprobs=torch.empty(1, len(lps), device="meta"))
+    return result
+
+
+def observed_forward(state: Any, original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """TRL's log-prob forward, observed: log S on its pi_old forward, pi_theta on the loss's forward."""
+    first = state.kept_mass is not None and not state.kept_mass  # TRL's first forward of a batch is pi_old's
+    with _kept_mass_hook(original.__self__, model, args[2], state) if first else contextlib.nullcontext():
+        result = original(model, *args, **kwargs)  # args: input_ids, attention_mask, logits_to_keep, ...
+    if state.loss_logps is not None and kwargs.get("compute_entropy"):
+        state.loss_logps.append(result[0].detach())
+    return result
+
+
+@contextlib.contextmanager
+def _kept_mass_hook(trainer: Any, model: Any, logits_to_keep: int, state: Any) -> Iterator[None]:
+    """While TRL's pi_old forward runs, ``log S = log p_T - log q`` per sampled token from its hidden states
+    (fp32, chunked, inside TRL's own ZeRO-3 gather of the head). +inf: outside the trainer's kept set."""
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    base = trainer.accelerator.unwrap_model(model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    head = base.get_output_embeddings()
+    sampling = state.sampling
+
+    def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        ids = (kwargs["input_ids"] if "input_ids" in kwargs else args[0])[:, -logits_to_keep:]
+        with maybe_gather_lm_head_ctx(head.weight, head.bias):
+            weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight  # FSDP2
+            lp = sampler_logprobs_from_hidden(output.last_hidden_state[:, -logits_to_keep - 1:-1], weight, ids,
+                                              sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                                              bias=head.bias)
+        state.kept_mass.append(lp.full - lp.processed)
+
+    handle = base.base_model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _hand_over(output: dict, name: str, value: torch.Tensor, trl_had_it: bool = True) -> None:
+    """Put ``value`` into TRL's batch under ``name``, keeping TRL's own value for ``revert``."""
+    output.setdefault(ORIGINAL + name, output.get(name) if trl_had_it else None)
+    output[name] = value
+
+
+def _sampling_metrics(ratio: torch.Tensor, kept: torch.Tensor, ours: dict, group: Any) -> dict[str, float]:
+    """TRL's ``sampling/*`` names, describing the weights that act: global min / mean / max over kept tokens."""
+    summary = masked_summary(ratio, kept, group, empty=1.0)
+    return {"sampling/sampling_logp_difference/mean": ours.get("rollout_correction/delta_abs_mean", 0.0),
+            "sampling/sampling_logp_difference/max": ours.get("rollout_correction/delta_abs_max", 0.0),
+            "sampling/importance_sampling_ratio/min": summary.min,
+            "sampling/importance_sampling_ratio/mean": summary.mean,
+            "sampling/importance_sampling_ratio/max": summary.max}
+
+
+def corrected_generation(state: Any, original: Any, inputs: Any) -> dict:
+    """TRL's generation batch, then ``compute_correction`` once, handed over through TRL's channels."""
+    trainer, cfg = original.__self__, state.config
+    bypass = cfg.old_logprob_source == "bypass"
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    lengths = {k: len(metrics[k]) for k in TRL_SAMPLING_METRICS if k in metrics}
+    state.sampling = refuse_trainer(cfg, trainer, state.patches)  # the sampler may change between batches
+    state.kept_mass = [] if state.sampling.truncates else None
+    try:
+        output = original(inputs)
+        captured = state.kept_mass
+    finally:
+        state.kept_mass = None
+    if captured == []:
+        raise FrameworkAPIError("no hidden states seen in TRL's pi_old forward; tested with TRL >=1.15,<1.17")
+    completion_mask, tool_mask = output["completion_mask"], output.get("tool_mask")
+    loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+    rollout, old = output["sampling_per_token_logps"], output.get("old_per_token_logps")
+    if old is None:
+        raise FrameworkAPIError("TRL computed no old_per_token_logps; tested with TRL >=1.15,<1.17")
+    kept_mass = torch.cat(captured) if captured else torch.zeros_like(old)
+    check_shapes("old_per_token_logps", old, log_kept_mass=kept_mass)
+    kept_mass = torch.where(loss_mask != 0, kept_mass, 0.0)
+    processed_old = old - kept_mass  # the trainer's pi_old as vLLM's sampler sees it (-inf outside the kept set)
+    group = process_group(trainer)
+    out = compute_correction(cfg.replace(off_policy_sequence_mask_delta=None), old_logprobs=processed_old,
+                             rollout_logprobs=rollout, response_mask=loss_mask, process_group=group,
+                             current_logprobs=processed_old if bypass else None,  # pi_theta = pi_old at generation
+                             with_metrics=cfg.wants_metrics or state.hands_weights(trainer))
+    output.update({KEY + "old": processed_old, KEY + "response_mask": loss_mask, KEY + "kept_mass": kept_mass})
+    logged = {k: v for k, v in out.metrics.items() if k not in THETA_METRICS}
+    if captured:
+        logged.update(kept_mass_metrics(kept_mass, loss_mask, group))
+    if state.hands_weights(trainer):
+        kept = out.mask != 0
+        ratio = torch.where(kept, out.weights, torch.ones_like(out.weights)).to(old.dtype)
+        _hand_over(output, "importance_sampling_ratio", ratio,
+                   trl_had_it=state.patches.previous(trainer, "vllm_importance_sampling_correction", True))
+        if cfg.rollout_rejection is not None:
+            _hand_over(output, "tool_mask", kept.to(completion_mask.dtype) * (1 if tool_mask is None else tool_mask))
+            removed = all_reduce((loss_mask != 0).sum() - kept.sum(), group)
+            _hand_over(output, "num_items_in_batch", output["num_items_in_batch"] - removed)
+        if cfg.off_policy_sequence_mask_delta is not None:  # TRL's mask reads pi_behaviour here, as log p_T
+            behaviour = rollout + kept_mass
+            _hand_over(output, "sampling_per_token_logps", behaviour.masked_fill(~behaviour.isfinite(), math.nan))
+        if bypass:  # pi_old := pi_rollout on the trainer's support; an engine NaN / inf takes TRL's pi_old (counted)
+            _hand_over(output, "old_per_token_logps", rollout_on_full_vocabulary(rollout, old, processed_old))
+        for name in TRL_SAMPLING_METRICS:  # TRL's describe a ratio that no longer acts
+            if name in metrics:
+                del metrics[name][lengths.get(name, 0):]
+        logged.update(_sampling_metrics(ratio, kept, out.metrics, group))
+    for name, value in logged.items():
+        metrics[name].append(value)
+    return output
