@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
+from rollout_parity.core.distributed import masked_mean, masked_summary
 
 CFG = dict(rollout_importance_sampling_mode="sequence_truncate", rollout_importance_sampling_threshold=1.2,
            rollout_rejection=["seq_sum_k3", "token_k1"], rollout_rejection_threshold=[0.05, 1.5],
@@ -53,7 +54,10 @@ def _worker(rank, world, port, results):
         loss, _ = policy_loss(cfg, current_logprobs=cur, old_logprobs=old[half], advantages=adv[half],
                               correction=out, global_num_tokens=n_global)
         loss.backward()
-        results[rank] = (out.metrics, out.weights, out.mask, cur.grad, loss.detach())
+        ratio = (old[half] - rollout[half]).exp()  # NaN and all: masked_summary must see only the mask's entries
+        keep = mask[half] * rollout[half].isfinite()
+        shared = (masked_summary(ratio, keep, dist.group.WORLD), masked_mean(ratio, keep, dist.group.WORLD))
+        results[rank] = (out.metrics, out.weights, out.mask, cur.grad, loss.detach(), shared)
     finally:
         dist.destroy_process_group()
 
@@ -72,8 +76,8 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch():
     loss, _ = policy_loss(cfg, current_logprobs=cur, old_logprobs=old, advantages=adv, correction=out)
     loss.backward()
 
-    m0, w0, k0, g0, l0 = results[0]
-    m1, w1, k1, g1, l1 = results[1]
+    m0, w0, k0, g0, l0, s0 = results[0]
+    m1, w1, k1, g1, l1, s1 = results[1]
     assert m0 == m1  # every rank logs the same, global numbers
     for key, value in out.metrics.items():
         assert m0[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -81,3 +85,12 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch():
     assert torch.equal(torch.cat([k0, k1]), out.mask)
     torch.testing.assert_close(torch.cat([g0, g1]), cur.grad)
     assert (l0 + l1).item() == pytest.approx(loss.item(), rel=1e-5)
+
+    # the all-reduce the adapters share (core/distributed.py): global mean, min, max over the kept entries
+    ratio = (old - rollout).exp()
+    kept = ratio[(mask * rollout.isfinite()).bool()].double()
+    assert s0 == s1
+    summary, mean = s0
+    assert summary.count == kept.numel() and mean == pytest.approx(kept.mean().item(), rel=1e-12)
+    assert (summary.mean, summary.min, summary.max) == pytest.approx(
+        (kept.mean().item(), kept.min().item(), kept.max().item()), rel=1e-12)

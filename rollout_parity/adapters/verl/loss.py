@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rollout_parity.adapters._patching import mark
+from rollout_parity.adapters._patching import is_ours, mark
 from rollout_parity.adapters.verl.config import select
 from rollout_parity.adapters.verl.flags import active_config
 from rollout_parity.core.config import CorrectionConfig
@@ -78,7 +78,7 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
     ``policy/ppo_kl``, ``policy/pg_clipfrac_lower``, ``rollout_correction/loss_contrib_pos/neg``,
     ``off_policy_masked_frac``, ``policy/nonfinite_frac``) as micro-batch means.
     """
-    if getattr(loss_fn, "__rollout_parity_loss__", None) is not None:
+    if is_ours(loss_fn):
         return loss_fn  # already ours
 
     @functools.wraps(loss_fn)
@@ -115,7 +115,6 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
         metrics.update({name: value / max(n, 1.0) for name, (value, n, _) in sums.items()})
         return loss, metrics
 
-    policy_loss_with_rollout_parity.__rollout_parity_loss__ = name
     return mark(policy_loss_with_rollout_parity)
 
 

@@ -1,0 +1,83 @@
+"""The layers of docs/architecture.md, held: what each part of the package may import.
+
+Every ``import`` statement of every module (top level and inside functions) is read with ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rollout_parity"
+FRAMEWORKS = {"verl", "trl", "vllm", "nemo_rl", "nemo_gym", "deepspeed", "ray", "transfer_queue", "accelerate",
+              "transformers", "peft", "tensordict"}
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _imports(path: Path) -> set[str]:
+    """The absolute module names a file imports (relative imports resolved against its package)."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names.add(".".join(base + ([node.module] if node.module else [])))
+            else:
+                names.add(node.module)
+    return names
+
+
+def _modules(sub: str):
+    return sorted((PACKAGE / sub).rglob("*.py")) if (PACKAGE / sub).is_dir() else [PACKAGE / f"{sub}.py"]
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+@pytest.mark.parametrize("path", _modules("core"), ids=lambda p: p.name)
+def test_core_imports_torch_and_itself_only(path):
+    bad = {n for n in _imports(path) if _top(n) not in STDLIB | {"torch", "omegaconf", "yaml", "__future__"}
+           and not n.startswith("rollout_parity.core")}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", [PACKAGE / "adapters" / f"{m}.py" for m in ("_patching", "_compat", "_refusals")],
+                         ids=lambda p: p.name)
+def test_the_shared_adapter_layer_imports_no_framework(path):
+    names = _imports(path)
+    assert not {n for n in names if _top(n) in FRAMEWORKS}, path.name
+    assert all(n.startswith(("rollout_parity.core", "rollout_parity.adapters._")) for n in names
+               if n.startswith("rollout_parity")), path.name
+
+
+ADAPTERS = {"verl": "verl", "trl": "trl", "nemo_rl": "nemo_rl", "vllm": "vllm"}
+
+
+@pytest.mark.parametrize("adapter", sorted(ADAPTERS), ids=lambda a: f"adapters.{a}")
+def test_an_adapter_imports_core_the_shared_layer_and_its_own_rooms_only(adapter):
+    own = f"rollout_parity.adapters.{adapter}"
+    for path in _modules(f"adapters/{adapter}"):
+        for name in _imports(path):
+            if not name.startswith("rollout_parity"):
+                continue
+            assert name.startswith(("rollout_parity.core", "rollout_parity.adapters._", own)), (path.name, name)
+
+
+@pytest.mark.parametrize("path", _modules("testing"), ids=lambda p: p.name)
+def test_testing_helpers_import_core_only(path):
+    ours = {n for n in _imports(path) if n.startswith("rollout_parity")}
+    assert all(n.startswith(("rollout_parity.core", "rollout_parity.testing")) for n in ours), (path.name, ours)
+
+
+def test_every_adapter_file_is_a_room_of_at_most_400_lines():
+    sizes = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines())
+             for p in (PACKAGE / "adapters").rglob("*.py")}
+    assert {k: v for k, v in sizes.items() if v > 400} == {}
