@@ -35,7 +35,8 @@ def command(*args: str, block: tuple[str, ...] = (), env: dict | None = None, ti
             f"for name in {list(block)!r}: sys.modules[name] = None  # import fails: as if not installed\n"
             "from rollout_parity.cli import main\n"
             f"sys.exit(main(['check', *{list(args)!r}]))\n")
-    full_env = {**os.environ, **(env or {})}
+    full_env = {k: v for k, v in os.environ.items() if k != CORRUPT_ENV}  # only a test's own self-test
+    full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", boot], cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
@@ -138,6 +139,22 @@ def test_nemo_rl_checks_pass_on_both_anchor_versions(version):
     report = _run("nemo_rl", nemo_rl_source=str(anchor_root() / version))
     _assert_passes(report, set(NEMO_CHECKS))
     assert report.version == {"v0.7.0": "0.7.0", "head": "0.6.0"}[version]
+
+
+@pytest.mark.verl
+def test_a_version_outside_the_tested_range_is_said_and_still_checked(monkeypatch):
+    need("verl", extra="verl")
+    from rollout_parity.adapters import _compat
+
+    real = _compat.installed_version
+    monkeypatch.setattr(_compat, "installed_version",
+                        lambda dists: "0.7.2" if tuple(dists) == ("verl",) else real(dists))
+    report = _run("verl")
+    assert report.version == "0.7.2" and report.in_range is False
+    assert failed([report]) == [] and report.checks  # the checks ran, and passed: only the range is untested
+    assert any("0.7.2" in note and ">=0.8.0,<0.10" in note for note in report.notes), report.notes  # the adapter's warning
+    table = format_table([report], seconds=0, environment={})
+    assert "OUTSIDE" in table.splitlines()[3]
 
 
 def test_every_check_name_is_corruptible_but_the_metrics():
