@@ -1,12 +1,12 @@
 """The TRL adapter on the shared cross-framework batch, through TRL's own generation and loss code.
 
 The batch enters through TRL's ``rollout_func`` hook and the model forward returns its pi_old /
-pi_theta (``integration_tests/support/trl_batches.py``); everything else is the real
+pi_theta (``rollout_parity/check/trl_batch.py``); everything else is the real
 ``GRPOTrainer``: ``_generate_and_score_completions`` (padding, masks, ``num_items_in_batch``),
 the adapter's correction handed through TRL's channels, and TRL's unchanged ``_compute_loss``.
 
 1. Loss, gradient and metrics against the frozen core results
-   (``integration_tests/shared_batch_expected.json``) for every preset and extra config, for TRL's
+   (``rollout_parity/check/shared_batch_expected.json``) for every preset and extra config, for TRL's
    ``bnpo``, ``dapo`` (token means) and ``grpo`` (mean of sequence means, the core's
    ``seq-mean-token-mean`` over all rows). TRL semantics we follow and check against the core with
    TRL's denominators: the off-policy mask (TRL's ``off_policy_mask_threshold``) multiplies the loss
@@ -31,7 +31,7 @@ need("trl", extra="trl")
 
 import torch  # noqa: E402
 
-from integration_tests.shared_batch import (  # noqa: E402
+from rollout_parity.check.shared_batch import (  # noqa: E402
     B,
     T,
     all_config_names,
@@ -39,14 +39,14 @@ from integration_tests.shared_batch import (  # noqa: E402
     load_expected,
     make_shared_batch,
 )
-from integration_tests.support.trl_batches import (  # noqa: E402
+from rollout_parity.check.trl_batch import (  # noqa: E402
     LogprobForward,
     generation_batch,
     pretend_vllm_trainer,
     rollout_func_for,
     stub_forward,
 )
-from integration_tests.support.trl_batches import through_trl as run_through_trl  # noqa: E402
+from rollout_parity.check.trl_batch import through_trl as run_through_trl  # noqa: E402
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from integration_tests.shared_batch import all_config_names, config_for, load_expected, make_shared_batch
+from rollout_parity.check.shared_batch import all_config_names, config_for, load_expected, make_shared_batch
 from integration_tests.support.nemo_anchor import ANCHORS, VERSIONS, skip_unless_available
 from integration_tests.support.nemo_harness import (
     GRPO_READS,
@@ -279,7 +279,7 @@ def core_to_nemo(name: str, core: dict, batch) -> dict:
 
 def test_every_core_diagnostic_is_summed_or_left_out_by_name():
     """A diagnostic the core adds must be classified here before NeMo RL sums it."""
-    from integration_tests.shared_batch import core_reference
+    from rollout_parity.check.shared_batch import core_reference
 
     classes = [nemo_rl_adapter._TOKEN_MEANS, nemo_rl_adapter._SEQ_MEANS, nemo_rl_adapter._PPL_MEANS,
                nemo_rl_adapter._LEFT_OUT]

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from integration_tests.shared_batch import all_config_names, config_for
+from rollout_parity.check.shared_batch import all_config_names, config_for
 from integration_tests.support.nemo_anchor import ANCHORS, VERSIONS, skip_unless_available
 from integration_tests.support.nemo_harness import aggregate, finite_or_sentinel, load, nemo_data, train_step
 from rollout_parity.adapters.nemo_rl import RolloutParityLossFn

@@ -14,8 +14,10 @@ import torch
 
 from rollout_parity import CorrectionConfig
 
-from .shared_batch import (all_config_names, config_for, core_reference, load_expected, make_shared_batch,
-                           naive_disagreements, naive_outputs, raw_flags)
+from rollout_parity.check.shared_batch import (all_config_names, config_for, core_reference, load_expected,
+                                               make_shared_batch, raw_flags)
+
+from .shared_batch import naive_disagreements, naive_outputs
 
 
 @pytest.mark.parametrize("name", all_config_names())

@@ -29,9 +29,9 @@ need("trl", extra="trl")
 
 import torch  # noqa: E402
 
-from integration_tests.shared_batch import B, T, config_for, make_shared_batch  # noqa: E402
+from rollout_parity.check.shared_batch import B, T, config_for, make_shared_batch  # noqa: E402
 from integration_tests.support.processes import free_port  # noqa: E402
-from integration_tests.support.trl_batches import pretend_vllm_trainer, through_trl  # noqa: E402
+from rollout_parity.check.trl_batch import pretend_vllm_trainer, through_trl  # noqa: E402
 from integration_tests.support.trl_runs import subprocess_env  # noqa: E402
 from integration_tests.support.trl_two_ranks import CONFIGS, LOSS_TYPES  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402

@@ -44,7 +44,7 @@ from rollout_parity.adapters.verl.compat import has_v1_trainer  # noqa: E402
 from rollout_parity.core.sampler import SamplerSettings  # noqa: E402
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
 
-from .shared_batch import all_config_names, config_for, core_reference, load_expected, make_shared_batch  # noqa: E402
+from rollout_parity.check.shared_batch import all_config_names, config_for, core_reference, load_expected, make_shared_batch  # noqa: E402
 from .support.verl_configs import BASE_OVERRIDES, compose_verl, flags  # noqa: E402,F401 (flags: a fixture)
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
 from .support.verl_equivalent import verl_equivalent  # noqa: E402

@@ -30,7 +30,7 @@ from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
 
-from .shared_batch import make_shared_batch  # noqa: E402
+from rollout_parity.check.shared_batch import make_shared_batch  # noqa: E402
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
 from .support.verl_configs import flags  # noqa: E402,F401 (a fixture)
 

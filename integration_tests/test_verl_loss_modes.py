@@ -31,7 +31,7 @@ from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402,F401 (importing it applies the patches)
 from integration_tests.support.verl_equivalent import verl_equivalent  # noqa: E402
 
-from .shared_batch import all_config_names, config_for, make_shared_batch  # noqa: E402
+from rollout_parity.check.shared_batch import all_config_names, config_for, make_shared_batch  # noqa: E402
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
 from .support.verl_configs import flags  # noqa: E402,F401 (a fixture)
 

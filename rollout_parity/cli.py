@@ -6,14 +6,18 @@
                           [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--update-scale X]
                           [--rows a,b,c,d,d/vllm-only,s/full-vocab,s/sampler,d/reset,d/salt]
                           [--threads N] [--fail-above X] [--no-progress]
+    rollout-parity check  [--json PATH|-] [--nemo-rl-source PATH] [--model PATH] [--only a,b]
+                          [--skip a,b] [--require a,b] [--max-delta X] [--no-progress]
 
-See ``rollout_parity/doctor.py`` for what each row measures.
+See ``rollout_parity/doctor.py`` for what each row measures, ``rollout_parity/check/`` (and
+docs/check.md) for the checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from rollout_parity.doctor import DoctorOptions
 
@@ -74,7 +78,73 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fail-above", type=float, default=None,
                    help="exit 1 if the recipe row (d) has mean |delta| above this")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_check(sub)
     return parser
+
+
+def _add_check(sub: Any) -> None:
+    frameworks = "core, trl, verl, nemo_rl, vllm"
+    c = sub.add_parser(
+        "check",
+        help="run the cross-framework tests against the frameworks installed here",
+        description=(
+            "For every framework installed here, run the shared cross-framework batch through that "
+            "framework's own code with rollout-parity's adapter (TRL's GRPOTrainer and loss, verl's driver "
+            "helper and registered losses, NeMo RL's ClippedPGLossFn) and compare with the core and the "
+            "packaged expected numbers; with vLLM installed, probe a live engine built with the recipe on a "
+            "tiny local model (or --model). Prints one row per check; exits 1 when a check fails or a "
+            "framework errors. A framework that is not installed is skipped and named, never passed. "
+            "Nothing is downloaded. Self-test: ROLLOUT_PARITY_CHECK_CORRUPT=<check name> corrupts one "
+            "weight in that check."
+        ),
+    )
+    c.add_argument("--json", dest="json_path", default=None,
+                   help="write the report as JSON to PATH ('-': print it instead of the table)")
+    c.add_argument("--nemo-rl-source", default=None,
+                   help="a NeMo RL source tree (holding nemo_rl/) to import, when NeMo RL is not installed")
+    c.add_argument("--model", default=None,
+                   help="HF model directory for the vLLM probe (default: a tiny model built locally)")
+    c.add_argument("--only", default=None, help=f"comma-separated frameworks to check (of {frameworks})")
+    c.add_argument("--skip", default=None, help="comma-separated frameworks not to check (e.g. vllm)")
+    c.add_argument("--require", default=None,
+                   help="comma-separated frameworks whose absence fails the command instead of a skip")
+    c.add_argument("--max-delta", type=float, default=None,
+                   help="vLLM probe: largest mean |trainer - engine| logprob accepted (default 4e-3)")
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="vLLM probe: the engine's memory share on a GPU (default 0.3)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    return tuple(n.strip().replace("-", "_").lower() for n in (text or "").split(",") if n.strip())
+
+
+def _check(args: argparse.Namespace) -> int:
+    import json
+
+    from rollout_parity.check import FRAMEWORKS, CheckOptions, environment, failed, format_table, report_dict, run_check
+
+    frameworks = _names(args.only) or tuple(s.key for s in FRAMEWORKS)
+    frameworks = tuple(f for f in frameworks if f not in _names(args.skip))
+    opts = CheckOptions(frameworks=frameworks, require=_names(args.require), nemo_rl_source=args.nemo_rl_source,
+                        model=args.model, max_delta=args.max_delta,
+                        gpu_memory_utilization=args.gpu_memory_utilization, progress=not args.no_progress)
+    try:
+        reports, seconds = run_check(opts)
+    except ValueError as exc:
+        print(f"rollout-parity check: {exc}", file=sys.stderr)
+        return 2
+    env = environment()
+    data = report_dict(reports, seconds=seconds, environment=env)
+    if args.json_path == "-":
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_table(reports, seconds=seconds, environment=env))
+        if args.json_path:
+            with open(args.json_path, "w") as fh:
+                json.dump(data, fh, indent=2)
+            print(f"report: {args.json_path}")
+    return 1 if failed(reports) else 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -122,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "check":
+        return _check(args)
     return 2  # pragma: no cover - argparse enforces the choices
 
 

@@ -19,7 +19,7 @@ import os
 
 def build(ns, case: dict):
     """The shared batch as NeMo RL data and the loss of ``case`` (see the test module)."""
-    from integration_tests.shared_batch import config_for, make_shared_batch
+    from rollout_parity.check.shared_batch import config_for, make_shared_batch
     from integration_tests.support.nemo_harness import nemo_data
     from rollout_parity.adapters.nemo_rl import RolloutParityLossFn
 

@@ -1,6 +1,7 @@
 """Drive a loss the way NeMo RL's training loop does, with NeMo RL's own pieces where they run.
 
-Real NeMo RL code (imported from the anchors through ``nemo_anchor.ANCHORS``):
+Real NeMo RL code (imported from the anchors through ``nemo_anchor.ANCHORS``; ``load`` and
+``nemo_data`` are ``rollout_parity.check.nemo_checks``'s, which ``rollout-parity check`` uses too):
 ``BatchedDataDict`` (``get_batch``, ``shard_by_batch_size``, ``make_microbatch_iterator``,
 which asserts on sizes a list slice would accept) and ``process_global_batch``
 (``nemo_rl/models/automodel/data.py``: the global valid sequence and token counts, all-reduced
@@ -15,50 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import types
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-
-def load(ns: types.SimpleNamespace) -> types.SimpleNamespace:
-    """Attach the NeMo RL names the tests use to an active anchor namespace."""
-    loss = ns.load("nemo_rl.algorithms.loss")
-    interfaces = ns.load("nemo_rl.algorithms.loss.interfaces")
-    ns.ClippedPGLossFn = loss.ClippedPGLossFn
-    ns.ClippedPGLossConfig = loss.ClippedPGLossConfig
-    ns.LossType = interfaces.LossType
-    ns.LossInputType = interfaces.LossInputType
-    ns.MetricNormalizer = getattr(interfaces, "MetricNormalizer", None)
-    ns.BatchedDataDict = ns.load("nemo_rl.distributed.batched_data_dict").BatchedDataDict
-    ns.process_global_batch = ns.load("nemo_rl.models.automodel.data").process_global_batch
-    return ns
-
-
-def nemo_data(ns, old, rollout, current, mask, advantages, sample_mask=None):
-    """A ClippedPGLossDataDict ``(B, S)`` from ``(B, T)`` tensors, plus the current logprobs.
-
-    Column 0 is a prompt token holding junk, token_mask 1 there too, so a loss that forgets
-    NeMo RL's ``[:, 1:]`` cannot pass. ``next_token_logprobs`` is ``(B, S-1)``: the caller's
-    leaf (sliced per microbatch, so gradients reach it).
-    """
-    B = old.shape[0]
-
-    def pad(x, value):
-        return torch.cat([torch.full((B, 1), value, dtype=x.dtype), x], dim=1)
-
-    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(old)
-    return ns.BatchedDataDict({
-        "input_ids": torch.zeros(B, old.shape[1] + 1, dtype=torch.long),
-        "advantages": pad(adv, 9.0),
-        "prev_logprobs": pad(old, -7.0),
-        "generation_logprobs": pad(rollout, 3.0),
-        "reference_policy_logprobs": pad(old, 0.0),
-        "token_mask": pad(mask, 1.0),
-        "sample_mask": torch.ones(B) if sample_mask is None else sample_mask,
-        "next_token_logprobs": current,
-    })
+# NeMo RL's names and its (B, S) loss-data layout: the package's, shared with `rollout-parity check`.
+from rollout_parity.check.nemo_checks import load, nemo_data  # noqa: F401 (the NeMo RL tests import them here)
 
 
 @contextlib.contextmanager

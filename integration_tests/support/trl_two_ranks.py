@@ -2,7 +2,7 @@
 
 Each rank builds a real ``GRPOTrainer`` (accelerate's multi-CPU state, gloo), takes its half of the
 shared cross-framework batch (rows ``rank * B/2 ...``) through TRL's generation and loss with the
-adapter applied (``support/trl_batches.py``: TRL's collectives, ``num_items_in_batch`` gathered over
+adapter applied (``rollout_parity/check/trl_batch.py``: TRL's collectives, ``num_items_in_batch`` gathered over
 ranks, our all-reduced rejection count and metrics), and writes its loss, gradient and metrics to
 ``<out_dir>/rank<r>.json``.
 """
@@ -19,8 +19,8 @@ LOSS_TYPES = ("dapo", "grpo")
 
 
 def main(out_dir: str) -> None:
-    from integration_tests.shared_batch import B, T, config_for, make_shared_batch
-    from integration_tests.support.trl_batches import pretend_vllm_trainer, through_trl
+    from rollout_parity.check.shared_batch import B, T, config_for, make_shared_batch
+    from rollout_parity.check.trl_batch import pretend_vllm_trainer, through_trl
     from rollout_parity.adapters import trl as trl_adapter
 
     trainer = pretend_vllm_trainer(out_dir, B // 2, T)

@@ -35,7 +35,7 @@ def _corrected(name: str):
     from verl import DataProto
     from verl.trainer.ppo import rollout_corr_helper as helper
 
-    from integration_tests.shared_batch import config_for, make_shared_batch
+    from rollout_parity.check.shared_batch import config_for, make_shared_batch
     from rollout_parity.adapters import verl as adapter
 
     adapter.set_active_config(config_for(name))

@@ -1,5 +1,7 @@
 """Drive a real ``GRPOTrainer`` with a given batch: the shared cross-framework batch through TRL.
 
+Used by ``rollout-parity check`` and by the suite's TRL tests (one copy).
+
 What runs is TRL's own code: ``_generate_and_score_completions`` (padding, masks, its pi_old
 forward, rewards, advantages, ``num_items_in_batch``, its importance-sampling code) and
 ``_compute_loss`` (every loss type and option), with the adapter's patches on top. Two things
@@ -21,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 from types import SimpleNamespace
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["PROMPT_TOKEN", "LogprobForward", "pretend_vllm_trainer", "rollout_func_for", "generation_batch",
-           "through_trl"]
+__all__ = ["PROMPT_TOKEN", "LogprobForward", "stub_forward", "pretend_vllm_trainer", "rollout_func_for",
+           "generation_batch", "through_trl"]
 
 PROMPT_TOKEN = 7
 COMPLETION_TOKEN = 9
@@ -124,11 +126,14 @@ def generation_batch(trainer: Any, n_rows: int) -> list[dict]:
 
 def through_trl(trainer: Any, cfg: Any, loss_type: str, batch: Any, rollout: Optional[torch.Tensor] = None,
                 loss_rows: Optional[torch.Tensor] = None, lengths: Optional[Sequence[int]] = None,
-                row_offset: int = 0, n_rows: Optional[int] = None):
+                row_offset: int = 0, n_rows: Optional[int] = None,
+                tamper: Optional[Callable[[dict], None]] = None):
     """A shared-batch-like ``batch`` through TRL's generation and loss with ``cfg`` applied (None: TRL alone).
 
     This rank's rows are ``row_offset + i`` for ``i < n_rows``. Returns ``(loss, d loss / d pi_theta
     (B, T), this rank's logged metrics, TRL's batch dict)``; the advantages are the batch's.
+    ``tamper(inputs)``, if given, may change TRL's batch dict between generation and the loss
+    (``rollout-parity check``'s self-test corrupts a weight there).
     """
     from rollout_parity.adapters import trl as trl_adapter
 
@@ -144,6 +149,8 @@ def through_trl(trainer: Any, cfg: Any, loss_type: str, batch: Any, rollout: Opt
     with stub_forward(trainer, LogprobForward(batch.old_logprobs.clone(), current)):
         inputs = trainer._generate_and_score_completions(generation_batch(trainer, n_rows))
         inputs["advantages"] = batch.advantages[row_offset:row_offset + n_rows].clone()  # TRL's come from rewards
+        if tamper is not None:
+            tamper(inputs)
         loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
