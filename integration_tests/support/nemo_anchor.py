@@ -15,6 +15,10 @@ the few heavy top-level modules they import but never call on our paths (``pynvm
   import) are as before, and every ``nemo_rl.*`` module and stub is taken out of
   ``sys.modules`` (kept aside, so activating the same version again is instant and two
   versions can take turns in one pytest process).
+* On Python < 3.12, while a version is active ``typing.TypedDict`` is the backport from
+  ``typing_extensions``: NeMo RL (which requires Python >= 3.13) builds pydantic models over its TypedDict
+  configs (``grpo.MasterConfig``), and pydantic accepts only the backport before 3.12. The
+  classes behave the same; ``typing.TypedDict`` is restored on exit.
 * ``skip_unless_available()`` skips, or fails in CI (``missing(..., anchor=True)``), when the
   trees are absent.
 
@@ -30,6 +34,7 @@ import logging
 import os
 import sys
 import types
+import typing
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,6 +188,7 @@ class NemoRLAnchors:
         saved_path, saved_meta = list(sys.path), list(sys.meta_path)
         saved_env = dict(os.environ)
         saved_filters, saved_excepthook = list(warnings.filters), sys.excepthook
+        saved_typed_dict = typing.TypedDict
         from transformers import AutoTokenizer  # NeMo RL imports it anyway; its wrapper is undone
 
         saved_from_pretrained = AutoTokenizer.__dict__["from_pretrained"]
@@ -190,6 +196,10 @@ class NemoRLAnchors:
         saved_handlers, saved_level = list(root_logger.handlers), root_logger.level
         before = set(sys.modules)
         finder = _StubFinder(tree)
+        if sys.version_info < (3, 12):
+            import typing_extensions
+
+            typing.TypedDict = typing_extensions.TypedDict
         sys.path.insert(0, str(tree))
         sys.meta_path.append(finder)
         sys.modules.update(self._stash.pop(version, {}))
@@ -219,6 +229,7 @@ class NemoRLAnchors:
             warnings.filters[:] = saved_filters
             getattr(warnings, "_filters_mutated", lambda: None)()
             sys.excepthook = saved_excepthook
+            typing.TypedDict = saved_typed_dict
             AutoTokenizer.from_pretrained = saved_from_pretrained
 
 
