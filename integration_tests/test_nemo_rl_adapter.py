@@ -522,3 +522,7 @@ def test_missing_nemo_rl_is_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "nemo_rl.algorithms.loss.interfaces", None)
     with pytest.raises(ImportError, match=r"rollout-parity\[nemo-rl\]"):
         RolloutParityLossFn()
+    from rollout_parity.adapters.nemo_rl import apply
+
+    with pytest.raises(ImportError, match=r"rollout-parity\[nemo-rl\]"):
+        apply()

@@ -25,6 +25,7 @@ from rollout_parity.adapters.nemo_rl.recipe import (
     nemo_rl_generation_config,
 )
 from rollout_parity.adapters.nemo_rl.translate import correction_from_nemo_rl, split_loss_config
+from rollout_parity.adapters.nemo_rl.turn_on import apply, is_applied, launched, revert
 from rollout_parity.adapters.nemo_rl.versions import NEMO_RL_COMMIT, NEMO_RL_TESTED, NEMO_RL_VERSION
 
 __all__ = [
@@ -34,6 +35,10 @@ __all__ = [
     "nemo_rl_generation_config",
     "check_nemo_rl_vllm_kwargs",
     "NEMO_RL_FIXED_LLM_KWARGS",
+    "apply",
+    "revert",
+    "is_applied",
+    "launched",
     "NEMO_RL_VERSION",
     "NEMO_RL_COMMIT",
     "NEMO_RL_TESTED",
