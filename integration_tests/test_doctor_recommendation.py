@@ -8,7 +8,8 @@ framework reads it, and must give the same flags:
   ``adapters.verl.correction_config_from_verl`` reads the ``rollout_parity`` block.
 * TRL: ``trl.TrlParser`` parses the flags into ``adapters.trl.ParityGRPOConfig``.
 * NeMo RL: the YAML's ``loss_fn`` block builds ``adapters.nemo_rl.RolloutParityLossFn`` through
-  ``from_nemo_config`` under the hook (its guard line stops it without) (with NeMo RL's own loss interfaces, from the v0.7.0 anchor), and its
+  ``from_nemo_config`` under the hook (its guard line stops it without), with NeMo RL's own loss
+  from the v0.7.0 anchor, and its
   ``policy`` block is what ``nemo_rl_generation_config`` puts where NeMo RL reads the recipe.
 """
 
