@@ -36,7 +36,12 @@ def as_dict(cfg: Any) -> dict:
     if hasattr(cfg, "_metadata") and hasattr(cfg, "_content"):  # OmegaConf node
         from omegaconf import OmegaConf
 
-        return dict(OmegaConf.to_container(cfg, resolve=True))
+        out = {}
+        for key in cfg.keys():  # resolved key by key: the guard stops NeMo RL's reading, not ours
+            if key != GUARD_KEY:
+                value = cfg[key]
+                out[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        return out
     return dict(cfg)
 
 
@@ -59,16 +64,13 @@ def carries_block(cfg: Any) -> bool:
 def split_loss_config(loss_cfg: Any) -> tuple[CorrectionConfig, dict]:
     """``(shared flags, NeMo RL's own keys)`` of a ``loss_fn`` block.
 
-    Without ``rollout_correction`` the flags are all null (NeMo RL's loss as configured). A guard
-    that was never resolved (the raw ``${rollout_parity:}`` string) is an error: the config was
-    read without resolving interpolations, so the hook cannot have seen it.
+    Without ``rollout_correction`` the flags are all null (NeMo RL's loss as configured). The
+    guard is dropped, resolved or not: it exists to stop NeMo RL's own config reading without the
+    hook, and whoever calls this builds our loss anyway (``rollout-parity check`` on a recipe).
     """
     cfg = as_dict(loss_cfg)
     ours = cfg.pop(BLOCK_KEY, None)
-    guard = cfg.pop(GUARD_KEY, None)
-    if isinstance(guard, str) and "${" in guard:
-        raise ValueError(f"loss_fn.{GUARD_KEY}={guard!r} was never resolved: load the config with "
-                         "OmegaConf.to_container(..., resolve=True), as NeMo RL's run_grpo.py does")
+    cfg.pop(GUARD_KEY, None)
     if ours is not None and not isinstance(ours, dict):
         raise ValueError(f"loss_fn.{BLOCK_KEY} must be a mapping of the shared flags, got {ours!r}")
     return CorrectionConfig.from_dict(ours or {}), cfg
