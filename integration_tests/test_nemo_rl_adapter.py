@@ -468,6 +468,8 @@ def test_refusals_name_the_keys(nemo):
     assert raw.correction == CorrectionConfig()
     with pytest.raises(ValueError, match="mapping"):
         RolloutParityLossFn.from_nemo_config({"rollout_correction": "tis_srs_k3"})
+    with pytest.raises(ValueError, match="from_nemo_config"):
+        RolloutParityLossFn(None, nemo.ClippedPGLossConfig(rollout_correction={}))
     with pytest.raises(ValueError, match="metrics"):
         RolloutParityLossFn(metrics="global")
     # NeMo RL's own checks stay NeMo RL's (its assertion, raised from its __init__).

@@ -146,6 +146,20 @@ def test_patch_is_the_shared_layers_wrapper_applied_once(nemo, hook):
     assert init.__wrapped__.__qualname__ == "ClippedPGLossFn.__init__" and not hasattr(init.__wrapped__, MARK)
 
 
+def test_a_missing_name_is_refused_before_anything_is_patched(nemo, monkeypatch):
+    """A NeMo RL whose grpo module lacks the name setup() uses: an error naming it, and the
+    guard already patched is taken back (all or nothing)."""
+    init = nemo.loss_functions.ClippedPGLossFn.__dict__["__init__"]
+    monkeypatch.delattr(nemo.grpo, "ClippedPGLossFn")
+    with pytest.raises(ImportError, match=r"nemo_rl\.algorithms\.grpo\.ClippedPGLossFn"):
+        adapter.apply()
+    try:
+        assert nemo.loss_functions.ClippedPGLossFn.__dict__["__init__"] is init
+        assert not adapter.is_applied()
+    finally:
+        adapter.revert()
+
+
 # ----------------------------------------------------------------- async GRPO and FP8 generation
 
 

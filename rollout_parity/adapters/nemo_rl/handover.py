@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from rollout_parity.adapters.nemo_rl import diagnostics
-from rollout_parity.adapters.nemo_rl.translate import as_dict, split_loss_config
+from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, GUARD_KEY, as_dict, split_loss_config
 from rollout_parity.adapters.nemo_rl.versions import nemo_loss_names
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
@@ -65,6 +65,9 @@ class RolloutParityLossFn:
         if metrics not in ("nemo", "local"):
             raise ValueError(f"metrics: expected 'nemo' or 'local', got {metrics!r}")
         keys = as_dict(nemo_config)
+        if set(keys) & {BLOCK_KEY, GUARD_KEY}:
+            raise ValueError(f"nemo_config carries loss_fn.{BLOCK_KEY}: build from the whole block with "
+                             "RolloutParityLossFn.from_nemo_config(loss_fn)")
         if correction.rollout_importance_sampling_mode is not None:
             if keys.get("truncated_importance_sampling_type") is not None:
                 raise ValueError(
