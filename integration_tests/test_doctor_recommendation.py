@@ -8,7 +8,8 @@ framework reads it, and must give the same flags:
   ``adapters.verl.correction_config_from_verl`` reads the ``rollout_parity`` block.
 * TRL: ``trl.TrlParser`` parses the flags into ``adapters.trl.ParityGRPOConfig``.
 * NeMo RL: the YAML's ``loss_fn`` block builds ``adapters.nemo_rl.RolloutParityLossFn`` through
-  ``from_nemo_config`` (with NeMo RL's own loss interfaces, from the v0.7.0 anchor), and its
+  ``from_nemo_config`` (its guard line resolves under the hook and stops NeMo RL's reading
+  without), with NeMo RL's own loss from the v0.7.0 anchor, and its
   ``policy`` block is what ``nemo_rl_generation_config`` puts where NeMo RL reads the recipe.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import warnings
 
 import pytest
 import yaml
@@ -73,15 +75,20 @@ def test_trl_flags_parse_into_the_same_flags(name, tmp_path):
 @pytest.mark.parametrize("name", list(CASES))
 def test_nemo_rl_yaml_builds_the_same_loss_and_generation_config(name):
     from omegaconf import OmegaConf
+    from omegaconf.errors import UnsupportedInterpolationType
 
     from integration_tests.support.nemo_anchor import ANCHORS, skip_unless_available
-    from rollout_parity.adapters.nemo_rl import (RolloutParityLossFn, check_nemo_rl_vllm_kwargs,
+    from rollout_parity.adapters.nemo_rl import (RolloutParityLossFn, check_nemo_rl_vllm_kwargs, launched,
                                                  nemo_rl_generation_config)
 
     skip_unless_available(("v0.7.0",))
     cfg = CASES[name]
     doc = OmegaConf.create(yaml.safe_load(framework_lines(cfg)["nemo_rl"]))
-    with ANCHORS.activate("v0.7.0"):
+    with pytest.raises(UnsupportedInterpolationType, match="rollout_parity"):  # NeMo RL's reading, no hook
+        OmegaConf.to_container(doc, resolve=True)
+    with ANCHORS.activate("v0.7.0"), launched(), warnings.catch_warnings():  # rollout-parity launch's hook
+        warnings.simplefilter("ignore", UserWarning)  # fp32_lm_head: NeMo RL's trainer side is not ours
+        OmegaConf.to_container(doc, resolve=True)
         loss_fn = RolloutParityLossFn.from_nemo_config(doc.loss_fn)
     assert loss_fn.correction == cfg
     policy = OmegaConf.to_container(doc.policy)

@@ -1,17 +1,18 @@
 """The NeMo RL adapter beside NeMo RL's own ``ClippedPGLossFn``, at v0.7.0 and at main (7ea279ab).
 
-Both source trees are imported from ``../shared/anchors/nemo-rl`` (support/nemo_anchor.py) and
-driven through NeMo RL's own ``BatchedDataDict`` and ``process_global_batch`` plus its worker's
-microbatch loop and ``grpo_train``'s metric aggregation (support/nemo_harness.py). For each of
-NeMo RL's importance-sampling settings (none, plain IS, tis, tis with a floor, icepop,
-seq-mask-tis, a sequence-level loss with dual clip), on a finite batch and on one with NaN, −inf
-and +inf engine logprobs on valid tokens, the adapter built from the same ``loss_fn`` block gives
-NeMo RL's loss, gradient and every metric key NeMo RL returns.
+``RolloutParityLossFn`` wraps NeMo RL's loss: with the shared flags null it *is* NeMo RL's loss
+(loss, gradient and every metric bit for bit, for every loss option NeMo RL has: KL k1/k2/k3,
+its own IS types, sequence-level loss, dual clip, GSPO, CISPO, REINFORCE, on-policy KL, VAPO's
+NLL term, forced on-policy ratio); with flags set only the correction changes, and the actor
+term equals the core's. Both trees come from ``../shared/anchors/nemo-rl`` (support/nemo_anchor.py)
+and are driven through NeMo RL's own ``BatchedDataDict`` and ``process_global_batch`` plus its
+worker's microbatch loop and ``grpo_train``'s metric aggregation (support/nemo_harness.py).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -31,21 +32,15 @@ from integration_tests.support.nemo_harness import (
     split_step_rescale,
     train_step,
 )
-from rollout_parity import CorrectionConfig
-from rollout_parity.adapters import nemo_rl as nemo_rl_adapter
-from rollout_parity.adapters.nemo_rl import (
-    NEMO_METRIC_KEYS,
-    RolloutParityLossFn,
-    check_nemo_rl_vllm_kwargs,
-    correction_from_nemo_rl,
-    nemo_rl_generation_config,
-)
+from rollout_parity import CorrectionConfig, compute_correction, policy_loss
+from rollout_parity.adapters.nemo_rl import RolloutParityLossFn, correction_from_nemo_rl, diagnostics
 
 pytestmark = [pytest.mark.nemo_rl]
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ADAPTER = Path(__file__).resolve().parents[1] / "rollout_parity" / "adapters" / "nemo_rl"
 TOL = dict(rtol=1e-5, atol=1e-6)
 APPROX = dict(rel=1e-5, abs=1e-6)
+NO_KL = dict(reference_policy_kl_penalty=0.0)
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -57,12 +52,12 @@ def nemo(request):
 
 # ----------------------------------------------------------------- batches
 
+
 def base_batch(kind: str):
     """The shared batch (8 x 12, ragged, one empty row), sample 2 masked by sample_mask.
 
     ``finite``: the engine's NaN/−inf replaced by ordinary values. ``nonfinite``: NaN, −inf
-    and +inf engine logprobs on three valid tokens (NeMo RL's own loss stays finite there;
-    its gen-based metrics do not)."""
+    and +inf engine logprobs on three valid tokens."""
     b = make_shared_batch()
     rollout = b.rollout_logprobs.clone()
     if kind == "finite":
@@ -79,41 +74,16 @@ def make_data(ns, kind: str, rollout=None):
     current = b.fresh_current()
     data = nemo_data(ns, b.old_logprobs, default_rollout if rollout is None else rollout, current,
                      b.response_mask, b.advantages, sample_mask=sample_mask)
+    data["reference_policy_logprobs"][:, 1:] = b.old_logprobs - 0.2  # a KL term that is not ~0
+    data["rewards"] = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0])  # VAPO's NLL term
     return data, current
 
 
 def agreed_rollout(kind: str):
-    """The engine's non-finite logprobs replaced by the trainer's: what the adapter's NeMo RL
-    metrics count a non-finite token as."""
+    """The engine's non-finite logprobs replaced by the trainer's: the batch NeMo RL's metrics
+    describe through the adapter."""
     b, rollout, _ = base_batch(kind)
     return torch.where(torch.isfinite(rollout), rollout, b.old_logprobs)
-
-
-NEMO_CASES = {
-    "no_is": dict(),
-    "plain_is": dict(use_importance_sampling_correction=True),
-    "tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-                truncated_importance_sampling_ratio=1.2),
-    "tis_floor_dual_clip": dict(use_importance_sampling_correction=True,
-                                truncated_importance_sampling_type="tis",
-                                truncated_importance_sampling_ratio=1.2,
-                                truncated_importance_sampling_ratio_min=0.9, ratio_clip_c=3.0),
-    "icepop": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-                   truncated_importance_sampling_ratio=1.1, truncated_importance_sampling_ratio_min=0.9),
-    "seq_mask_tis": dict(use_importance_sampling_correction=True,
-                         truncated_importance_sampling_type="seq-mask-tis",
-                         truncated_importance_sampling_ratio=1.02,
-                         truncated_importance_sampling_ratio_min=0.98),
-    "seq_level_icepop_dual_clip": dict(use_importance_sampling_correction=True,
-                                       truncated_importance_sampling_type="icepop",
-                                       truncated_importance_sampling_ratio=1.1,
-                                       truncated_importance_sampling_ratio_min=0.9,
-                                       token_level_loss=False, ratio_clip_c=3.0, ratio_clip_max=0.28,
-                                       reference_policy_kl_type="k2"),
-}
-# NeMo RL's metrics that read generation_logprobs without sanitising them (NaN/inf there).
-GEN_METRICS = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
-               "approx_entropy")
 
 
 def run(ns, loss_fn, kind, rollout=None, mbs=2):
@@ -122,97 +92,177 @@ def run(ns, loss_fn, kind, rollout=None, mbs=2):
     return total, current.grad, aggregate(mb_metrics)
 
 
-@pytest.mark.parametrize("kind", ["finite", "nonfinite"])
+#: NeMo RL loss options, each a ``loss_fn`` block of NeMo RL's own keys.
+NEMO_CASES = {
+    "kl_k3": dict(reference_policy_kl_penalty=0.01, reference_policy_kl_type="k3"),
+    "kl_k1": dict(reference_policy_kl_penalty=0.01, reference_policy_kl_type="k1"),
+    "kl_k2_seq_level_dual_clip": dict(reference_policy_kl_penalty=0.01, reference_policy_kl_type="k2",
+                                      token_level_loss=False, ratio_clip_c=3.0, ratio_clip_max=0.28),
+    "plain_is": dict(NO_KL, use_importance_sampling_correction=True),
+    "tis_floor_dual_clip_kl": dict(reference_policy_kl_penalty=0.01, use_importance_sampling_correction=True,
+                                   truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.2,
+                                   truncated_importance_sampling_ratio_min=0.9, ratio_clip_c=3.0),
+    "icepop": dict(NO_KL, use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+                   truncated_importance_sampling_ratio=1.1, truncated_importance_sampling_ratio_min=0.9),
+    "seq_mask_tis": dict(NO_KL, use_importance_sampling_correction=True,
+                         truncated_importance_sampling_type="seq-mask-tis",
+                         truncated_importance_sampling_ratio=1.02, truncated_importance_sampling_ratio_min=0.98),
+    "gspo_kl": dict(reference_policy_kl_penalty=0.01, sequence_level_importance_ratios=True,
+                    token_level_loss=False, use_importance_sampling_correction=True),
+    "cispo": dict(NO_KL, use_cispo=True),
+    "reinforce": dict(NO_KL, disable_ppo_ratio=True),
+    "on_policy_kl_vapo": dict(reference_policy_kl_penalty=0.01, use_on_policy_kl_approximation=True,
+                              positive_example_nll_weight=0.1),
+    "forced_on_policy": dict(NO_KL, force_on_policy_ratio=True),
+}
+# NeMo RL's metrics that read generation_logprobs (NaN/inf on a batch with NaN/inf there).
+GEN_METRICS = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
+               "approx_entropy")
+
+
+def ours_from(keys: dict, flags: dict | None = None, **kwargs) -> RolloutParityLossFn:
+    """Built as grpo.setup() builds it under the hook: a loss_fn block with our keys."""
+    return RolloutParityLossFn.from_nemo_config(
+        {**keys, "rollout_parity": "rollout-parity", "rollout_correction": dict(flags or {})}, **kwargs)
+
+
+# ----------------------------------------------------------------- flags null: NeMo RL's own loss
+
+
 @pytest.mark.parametrize("case", sorted(NEMO_CASES))
-def test_side_by_side_with_nemo_clipped_pg_loss(nemo, case, kind):
-    cfg = nemo.ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **NEMO_CASES[case])
-    theirs_fn = nemo.ClippedPGLossFn(cfg)
-    ours_fn = RolloutParityLossFn.from_nemo_config(cfg)
-    assert ours_fn.loss_type == theirs_fn.loss_type and ours_fn.input_type == theirs_fn.input_type
-
-    their_loss, their_grad, theirs = run(nemo, theirs_fn, kind)
-    our_loss, our_grad, ours = run(nemo, ours_fn, kind)
-
-    assert math.isfinite(their_loss) and torch.isfinite(their_grad).all()
-    assert our_loss == pytest.approx(their_loss, **APPROX)
-    torch.testing.assert_close(our_grad, their_grad, **TOL)
-    assert set(theirs) <= set(ours), sorted(set(theirs) - set(ours))
+def test_flags_null_is_nemo_rls_own_loss_bit_for_bit(nemo, case):
+    keys = NEMO_CASES[case]
+    their_loss, their_grad, theirs = run(nemo, nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys)), "finite")
+    ours_fn = ours_from(keys)
+    our_loss, our_grad, ours = run(nemo, ours_fn, "finite")
+    assert ours_fn.loss_type == ours_fn.nemo_loss_fn.loss_type and ours_fn.input_type == ours_fn.nemo_loss_fn.input_type
+    assert math.isfinite(their_loss) and bool(their_grad.abs().sum() > 0)
+    assert our_loss == their_loss
+    assert torch.equal(our_grad, their_grad)
+    assert ours == theirs  # every key, every value
     assert all(key in ours for key in GRPO_READS)
+
+
+@pytest.mark.parametrize("case", ["kl_k3", "plain_is", "tis_floor_dual_clip_kl", "icepop", "seq_mask_tis",
+                                  "gspo_kl", "on_policy_kl_vapo"])
+def test_nonfinite_engine_logprobs_nemos_loss_finite_metrics(nemo, case):
+    """NaN, −inf, +inf engine logprobs: the loss is NeMo RL's own (its IS weighs them 0, or
+    ``tis``'s floor), and so is the gradient wherever NeMo RL's is finite: its on-policy KL
+    approximation turns a −inf into a NaN gradient, ours stays finite. NeMo RL's metrics, NaN/inf
+    in its own run, come from the batch where the engine agreed with π_old on those tokens."""
+    keys = NEMO_CASES[case]
+    their_loss, their_grad, theirs = run(nemo, nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys)), "nonfinite")
+    _, _, agreed = run(nemo, nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys)), "nonfinite",
+                       rollout=agreed_rollout("nonfinite"))
+    our_loss, our_grad, ours = run(nemo, ours_from(keys), "nonfinite")
+    assert math.isfinite(their_loss) and bool(torch.isfinite(our_grad).all())
+    assert our_loss == pytest.approx(their_loss, rel=1e-6, abs=1e-9)
+    finite = torch.isfinite(their_grad)
+    assert bool(finite.all()) == (case != "on_policy_kl_vapo")  # NeMo RL's own NaN gradient, measured
+    torch.testing.assert_close(our_grad[finite], their_grad[finite], rtol=1e-6, atol=1e-9)
+    assert any(not math.isfinite(theirs[k]) for k in GEN_METRICS)  # NeMo RL's own: NaN/inf
     assert finite_or_sentinel(ours) == []
-    reference = theirs
-    if kind == "nonfinite":
-        # NeMo RL's own gen-based metrics are NaN/inf here; ours count such a token as one
-        # where the engine agreed with the trainer: NeMo RL's values on that batch.
-        assert any(not math.isfinite(theirs[k]) for k in GEN_METRICS)
-        _, _, agreed = run(nemo, nemo.ClippedPGLossFn(cfg), kind, rollout=agreed_rollout(kind))
-        reference = {**theirs, **{k: agreed[k] for k in GEN_METRICS}}
-        assert ours["rollout_correction/nonfinite_frac"] == pytest.approx(3 / ours["global_valid_toks"])
-    for key in reference:
-        assert ours[key] == pytest.approx(reference[key], **APPROX), key
-    if "truncated_importance_sampling_type" in NEMO_CASES[case]:
-        assert 0 < ours["is_oob_ratio"] < 1
+    assert set(ours) == set(theirs)
+    for key in ours:
+        expected = ours["loss"] if key == "loss" else agreed[key]
+        assert ours[key] == pytest.approx(expected, **APPROX), key
 
 
-@pytest.mark.parametrize("case", ["tis_floor_dual_clip", "seq_level_icepop_dual_clip"])
-def test_logits_through_nemo_prepare_loss_input(nemo, case):
-    """From logits: NeMo RL's own ``prepare_loss_input`` (``algorithms/loss/utils.py``) turns
-    them into next-token logprobs for a LOGPROB loss, as its workers do, and the gradient
-    reaches the logits the same way for both losses."""
-    prepare = nemo.load("nemo_rl.algorithms.loss.utils").prepare_loss_input
-    g = torch.Generator().manual_seed(3)
-    B, S, V = 6, 9, 40
-    input_ids = torch.randint(0, V, (B, S), generator=g)
-    base = torch.randn(B, S, V, generator=g)
-    lp = torch.log_softmax(base, -1)[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    prev = torch.cat([torch.zeros(B, 1), lp + 0.05 * torch.randn(B, S - 1, generator=g)], 1)
-    gen = torch.cat([torch.zeros(B, 1), lp + 0.2 * torch.randn(B, S - 1, generator=g)], 1)
-    token_mask = torch.cat([torch.zeros(B, 1), (torch.arange(S - 1)[None] < torch.tensor(
-        [[8], [3], [5], [0], [8], [6]])).float()], 1)
-    data = dict(input_ids=input_ids, prev_logprobs=prev, generation_logprobs=gen, token_mask=token_mask,
-                advantages=torch.tensor([1.0, -0.5, 0.3, 0.8, -1.2, 0.4])[:, None].expand(B, S).clone(),
-                sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0]),
-                reference_policy_logprobs=prev)
-    cfg = nemo.ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **NEMO_CASES[case])
-    results = []
-    for loss_fn in (nemo.ClippedPGLossFn(cfg), RolloutParityLossFn.from_nemo_config(cfg)):
-        logits = base.clone().requires_grad_(True)
-        batch = nemo.BatchedDataDict({k: v.clone() for k, v in data.items()})
-        with cpu_cuda():  # it moves the token ids to the GPU
-            loss_input, batch = prepare(logits, batch, loss_fn)
-        gvs = batch["sample_mask"].sum()
-        gvt = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum()
-        loss, metrics = loss_fn(data=batch, global_valid_seqs=gvs, global_valid_toks=gvt, **loss_input)
+# ----------------------------------------------------------------- flags set: only the correction changes
+
+
+def core_actor_loss(ns, keys, flags, kind="finite"):
+    """The core's corrected policy loss and gradient on the batch, with NeMo RL's global
+    denominators and clip settings (no KL): the independent reference of the actor term."""
+    b, rollout, sample_mask = base_batch(kind)
+    data, current = make_data(ns, kind)
+    cfg = CorrectionConfig(**flags)
+    mask = b.response_mask * sample_mask[:, None]
+    out = compute_correction(cfg, old_logprobs=b.old_logprobs, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=data["advantages"][:, 1:], current_logprobs=current.detach())
+    token_level = keys.get("token_level_loss", True)
+    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=b.old_logprobs,
+                          advantages=data["advantages"][:, 1:], correction=out, response_mask=mask,
+                          clip_ratio_low=keys.get("ratio_clip_min", 0.2), clip_ratio_high=keys.get("ratio_clip_max", 0.2),
+                          clip_ratio_c=keys.get("ratio_clip_c"),
+                          loss_agg_mode="token-mean" if token_level else "seq-mean-token-mean",
+                          global_num_tokens=float(mask.sum()) if token_level else None,
+                          global_num_seqs=None if token_level else float(sample_mask.sum()))
+    loss.backward()
+    return float(loss.detach()), current.grad, out
+
+
+FLAG_CASES = {
+    "token_truncate": dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2),
+    "sequence_mask": dict(rollout_importance_sampling_mode="sequence_mask", rollout_importance_sampling_threshold=1.05,
+                          rollout_importance_sampling_threshold_lower=0.95),
+    "tis_srs_k3": CorrectionConfig.preset("tis_srs_k3").to_dict(),
+    "k1_k2_rejection_off_policy": dict(rollout_rejection=["token_k2", "seq_mean_k1"],
+                                       rollout_rejection_threshold=[0.5, "0.9_1.1"],
+                                       off_policy_sequence_mask_delta=0.02),
+}
+
+
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("flags", sorted(FLAG_CASES))
+@pytest.mark.parametrize("level", ["token", "sequence_dual_clip"])
+def test_flags_change_only_the_correction(nemo, kl, flags, level):
+    """With NeMo RL's KL penalty at 0.01: the KL term is NeMo RL's (on the tokens the correction
+    keeps), the actor term is the core's corrected loss, and NeMo RL's metrics are its own."""
+    keys = dict(reference_policy_kl_penalty=0.01, reference_policy_kl_type=kl)
+    if level != "token":
+        keys.update(token_level_loss=False, ratio_clip_c=3.0, ratio_clip_max=0.28)
+    no_kl = {**keys, "reference_policy_kl_penalty": 0.0}
+    flag_set = FLAG_CASES[flags]
+    total, grad, ours = run(nemo, ours_from(keys, flag_set), "finite")
+    total0, grad0, _ = run(nemo, ours_from(no_kl, flag_set), "finite")
+    core_loss, core_grad, out = core_actor_loss(nemo, keys, flag_set)
+    # The actor term is the core's corrected loss.
+    assert total0 == pytest.approx(core_loss, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad0, core_grad, rtol=1e-5, atol=1e-7)
+    # The KL term is NeMo RL's own, on the tokens the correction keeps (NeMo RL's global counts
+    # are fixed before the loss, from the batch as sampled).
+    nemo_kl = []
+    for penalty in (0.01, 0.0):
+        data, current = make_data(nemo, "finite")
+        fn = nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**{**keys, "reference_policy_kl_penalty": penalty}))
+        batch, gvs, gvt = global_counts(nemo, data, fn)
+        batch["token_mask"][:, 1:] *= ((out.mask > 0) | (batch["sample_mask"][:, None] == 0)).float()
+        loss, metrics = fn(next_token_logprobs=current, data=batch, global_valid_seqs=gvs, global_valid_toks=gvt)
         loss.backward()
-        results.append((loss.detach(), logits.grad, metrics))
-    (theirs, their_grad, their_metrics), (ours, our_grad, our_metrics) = results
-    torch.testing.assert_close(ours, theirs, **TOL)
-    torch.testing.assert_close(our_grad, their_grad, **TOL)
-    assert bool(their_grad.abs().sum() > 0)
-    for key, value in their_metrics.items():
-        assert our_metrics[key] == pytest.approx(value, **APPROX), key
+        nemo_kl.append((float(loss.detach()), current.grad, aggregate([metrics])))
+    assert total - total0 == pytest.approx(nemo_kl[0][0] - nemo_kl[1][0], rel=1e-5, abs=2e-7)  # fp32 sums
+    torch.testing.assert_close(grad - grad0, nemo_kl[0][1] - nemo_kl[1][1], rtol=1e-4, atol=1e-7)
+    # NeMo RL's metrics are its own on those tokens; ours are added beside them.
+    for key, value in nemo_kl[0][2].items():
+        if key != "loss":
+            assert ours[key] == pytest.approx(value, **APPROX), key
+    assert ours["kl_penalty"] > 0 and any(k.startswith("rollout_correction/") for k in ours)
 
 
-def test_plain_is_with_a_minus_inf_engine_logprob_gives_no_huge_weight(nemo):
-    """The crash the issue names: plain IS maps to a cap of e^20, so −inf (maximal mismatch
-    in the shared rule) weighed ~5e8 and one token turned a loss of +0.06 into −5.5e6."""
-    cfg = dict(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
-    loss_fn = RolloutParityLossFn.from_nemo_config(cfg)
-    data, current = make_data(nemo, "nonfinite")
-    batch, gvs, gvt = global_counts(nemo, data, loss_fn)
-    loss, _ = loss_fn(current, batch, gvs, gvt)
-    assert float(loss_fn.last_correction.weights.max()) < 10.0
-    assert abs(float(loss.detach())) < 1.0
-    shared = RolloutParityLossFn(loss_fn.correction)  # the shared rule: the cap, by design
-    shared(current.detach(), batch, gvs, gvt)
-    assert float(shared.last_correction.weights.max()) > 1e8
+def test_an_is_weight_only_leaves_nemos_metrics_and_kl_untouched(nemo):
+    """An IS mode without rejection: every NeMo RL metric but the loss is what NeMo RL reports
+    with the flags null (the weight rides on the advantages, which only the actor term reads)."""
+    keys = NEMO_CASES["kl_k3"]
+    _, _, null = run(nemo, ours_from(keys), "finite")
+    _, _, ours = run(nemo, ours_from(keys, FLAG_CASES["token_truncate"]), "finite")
+    for key, value in null.items():
+        if key != "loss":
+            assert ours[key] == value, key
+    assert ours["loss"] != null["loss"]
 
 
-def test_every_nemo_metric_key_is_returned(nemo):
-    assert set(NEMO_METRIC_KEYS) | {"is_oob_ratio"} >= {
-        k for case in NEMO_CASES.values()
-        for k in run(nemo, nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(
-            reference_policy_kl_penalty=0.0, **case)), "finite", mbs=8)[2]
-        if k not in ("global_valid_seqs", "global_valid_toks")}
+def test_nemos_is_keys_in_shared_flags_reproduce_nemos_is(nemo):
+    """correction_from_nemo_rl's table: NeMo RL's tis/icepop/seq-mask-tis written as shared
+    flags give NeMo RL's own loss and gradient on a finite batch."""
+    for case in ("tis_floor_dual_clip_kl", "icepop", "seq_mask_tis"):
+        keys = NEMO_CASES[case]
+        their_loss, their_grad, _ = run(nemo, nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys)), "finite")
+        plain = {k: v for k, v in keys.items() if "importance_sampling" not in k}
+        ours = ours_from(plain, correction_from_nemo_rl(keys).to_dict())
+        our_loss, our_grad, _ = run(nemo, ours, "finite")
+        assert our_loss == pytest.approx(their_loss, **APPROX), case
+        torch.testing.assert_close(our_grad, their_grad, **TOL)
 
 
 # ----------------------------------------------------------------- the shared cross-framework batch
@@ -230,7 +280,7 @@ def test_shared_batch_through_adapter_equals_core(nemo, name):
     """Weights, mask, loss, gradient and the core's metrics of the cross-framework batch."""
     expected = load_expected()[name]
     _, data, current = shared_data(nemo)
-    loss_fn = RolloutParityLossFn(config_for(name), metrics="local")
+    loss_fn = RolloutParityLossFn(config_for(name), NO_KL, metrics="local")
     total, mb_metrics = train_step(nemo, loss_fn, data, microbatch_size=8)
     out = loss_fn.last_correction
     exp = {k: torch.tensor(v) for k, v in expected.items() if k != "metrics"}
@@ -245,63 +295,58 @@ def test_shared_batch_through_adapter_equals_core(nemo, name):
     torch.testing.assert_close(current.grad, exp["grad"] * scale, rtol=1e-6, atol=1e-7)
     metrics = mb_metrics[0]
     for key, value in expected["metrics"].items():
-        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+        if key.startswith("rollout_correction/"):
+            assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
 
 
 def core_to_nemo(name: str, core: dict, batch) -> dict:
-    """The core's whole-batch metrics with NeMo RL's denominators (global valid tokens and
+    """The core's whole-batch diagnostics with NeMo RL's denominators (global valid tokens and
     samples); an empty sample counts as on-policy. Independent of any microbatching."""
     mask = batch.response_mask
-    gvt, gvs = float(mask.sum()), float(mask.shape[0])
+    gvs = float(mask.shape[0])
     n_seq = float((mask.sum(-1) > 0).sum())
     finite = mask * torch.isfinite(batch.rollout_logprobs)
     n_ppl = float((finite.sum(-1) > 0).sum())
-    keep = torch.tensor(load_expected()[name]["mask"])
-    n_kept = float(keep.sum())
     out = {}
     for key, value in core.items():
+        if not key.startswith("rollout_correction/"):
+            continue
         short = key.split("/", 1)[1]
-        if key.startswith("policy/"):
-            out[key] = value * n_kept / gvt
-        elif short in ("chi2_seq", "rejected_seq_frac", "off_policy_masked_frac"):
+        if short in diagnostics.SEQ_MEANS:
             out[key] = value * n_seq / gvs
         elif short in ("log_ppl_diff", "log_ppl_abs_diff"):
             out[key] = value * n_ppl / gvs
         elif short == "ppl_ratio":
             out[key] = ((value - 1.0) * n_ppl + gvs) / gvs
-        elif short in nemo_rl_adapter._LEFT_OUT:
+        elif short in diagnostics.LEFT_OUT:
             continue
         else:
-            assert short in nemo_rl_adapter._TOKEN_MEANS, key
+            assert short in diagnostics.TOKEN_MEANS, key
             out[key] = value
     return out
 
 
 def test_every_core_diagnostic_is_summed_or_left_out_by_name():
-    """A diagnostic the core adds must be classified here before NeMo RL sums it."""
+    """A diagnostic the core adds must be classified before NeMo RL sums it."""
     from rollout_parity.check.shared_batch import core_reference
 
-    classes = [nemo_rl_adapter._TOKEN_MEANS, nemo_rl_adapter._SEQ_MEANS, nemo_rl_adapter._PPL_MEANS,
-               nemo_rl_adapter._LEFT_OUT]
+    classes = [diagnostics.TOKEN_MEANS, diagnostics.SEQ_MEANS, diagnostics.PPL_MEANS, diagnostics.LEFT_OUT]
     for key in core_reference("tis_srs_k3")["metrics"]:
-        short = key.split("/", 1)[1]
-        if key.startswith("policy/"):
-            assert key in nemo_rl_adapter._POLICY_MEANS
-        else:
-            assert sum(short in c for c in classes) == 1, key
+        if key.startswith("rollout_correction/"):
+            assert sum(key.split("/", 1)[1] in c for c in classes) == 1, key
 
 
 @pytest.mark.parametrize("name", ["tis_srs_k3", "icepop", "sequence_mask_token", "k1_k2_rejection",
                                   "off_policy_mask"])
 def test_metrics_are_the_global_batch_for_any_microbatching(nemo, name):
     """NeMo RL sums every metric over microbatches: the sums equal the whole batch's metrics
-    (sequence metrics included: the issue measured rejected_seq_frac 0.750 vs 0.714 before)."""
+    (sequence metrics included), NeMo RL's own and ours."""
     batch = make_shared_batch()
     expected = core_to_nemo(name, load_expected()[name]["metrics"], batch)
     runs = {}
     for mbs in (1, 2, 4, 8):
         _, data, current = shared_data(nemo)
-        total, mb_metrics = train_step(nemo, RolloutParityLossFn(config_for(name)), data, mbs)
+        total, mb_metrics = train_step(nemo, RolloutParityLossFn(config_for(name), NO_KL), data, mbs)
         runs[mbs] = (total, current.grad, aggregate(mb_metrics))
     total8, grad8, metrics8 = runs[8]
     for key, value in expected.items():
@@ -311,19 +356,19 @@ def test_metrics_are_the_global_batch_for_any_microbatching(nemo, name):
         torch.testing.assert_close(grad, grad8, rtol=1e-5, atol=1e-7)
         for key, value in metrics8.items():
             assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (mbs, key)
-    assert not any(k.endswith(("_max", "_min")) for k in metrics8 if k.startswith("rollout_correction/"))
 
 
 def test_metric_normalizations_reproduce_the_sync_metrics_in_the_split_step(nemo):
-    """Main's Megatron split step calls the loss with placeholder global counts 1 and
-    rescales each metric by the denominator ``metric_normalizations`` names."""
+    """Main's Megatron split step calls the loss with placeholder global counts 1 and rescales
+    each metric by the denominator ``metric_normalizations`` names: NeMo RL's own table for its
+    metrics, ours for ours."""
     if nemo.MetricNormalizer is None:  # v0.7.0: no split step, nothing to advertise
         assert not hasattr(RolloutParityLossFn(), "metric_normalizations")
         return
-    cfg = nemo.ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **NEMO_CASES["seq_mask_tis"])
-    for loss_fn in (RolloutParityLossFn.from_nemo_config(cfg),
-                    RolloutParityLossFn(config_for("tis_srs_k3"), token_level_loss=False),
-                    nemo.ClippedPGLossFn(cfg)):
+    keys = NEMO_CASES["seq_mask_tis"]
+    for loss_fn in (ours_from(keys, {"rollout_rejection": ["seq_sum_k3"], "rollout_rejection_threshold": 0.01}),
+                    RolloutParityLossFn(config_for("tis_srs_k3"), dict(NO_KL, token_level_loss=False)),
+                    nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys))):
         data, _ = make_data(nemo, "finite")
         _, sync = train_step(nemo, loss_fn, data, 2)
         data, _ = make_data(nemo, "finite")
@@ -335,152 +380,129 @@ def test_metric_normalizations_reproduce_the_sync_metrics_in_the_split_step(nemo
                                  global_valid_seqs=torch.tensor(1.0), global_valid_toks=torch.tensor(1.0))
             if metrics["num_valid_samples"] > 0:
                 raw.append(dict(metrics))
+        assert set(loss_fn.metric_normalizations) >= set(raw[0])
         split = aggregate(split_step_rescale(nemo, loss_fn, raw, gvs, gvt))
         expected = aggregate(sync)
-        assert set(loss_fn.metric_normalizations) >= set(raw[0]) - {"is_oob_ratio"} or \
-            isinstance(loss_fn, nemo.ClippedPGLossFn)
         for key, value in split.items():
             assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-6), (type(loss_fn).__name__, key)
 
 
-# ----------------------------------------------------------------- config and vLLM recipe
+# ----------------------------------------------------------------- NeMo RL's loss-input paths
 
 
-def test_yaml_block_loads_through_omegaconf_and_nemo_config(nemo):
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.load(CONFIGS / "nemo_rl_loss.yaml")
-    # A defaults-style merge onto a base GRPO loss block, as NeMo RL's load_config does.
-    base = OmegaConf.create({"loss_fn": {"reference_policy_kl_penalty": 0.01, "ratio_clip_min": 0.2}})
-    merged = OmegaConf.merge(base, node)
-    cfg = nemo.ClippedPGLossConfig(**OmegaConf.to_container(merged.loss_fn, resolve=True))
-    assert cfg.rollout_correction["rollout_rejection"] == ["seq_sum_k3"]  # extra="allow" kept it
-    loss_fn = RolloutParityLossFn.from_nemo_config(cfg)
-    assert loss_fn.correction == CorrectionConfig.preset("tis_srs_k3")
-    assert (loss_fn.ratio_clip_min, loss_fn.ratio_clip_max) == (0.2, 0.28)
-    assert loss_fn.nonfinite == "shared"
-    assert RolloutParityLossFn.from_nemo_config(merged.loss_fn).correction == loss_fn.correction
-    assert OmegaConf.to_container(node.policy) == nemo_rl_generation_config()["policy"]
-
-
-def test_mapping_table():
-    assert correction_from_nemo_rl({}) == CorrectionConfig()
-    tis = correction_from_nemo_rl(dict(use_importance_sampling_correction=True,
-                                       truncated_importance_sampling_type="tis",
-                                       truncated_importance_sampling_ratio=2.0))
-    assert tis == CorrectionConfig(rollout_importance_sampling_mode="token_truncate",
-                                   rollout_importance_sampling_threshold=2.0)
-    icepop = correction_from_nemo_rl(dict(use_importance_sampling_correction=True,
-                                          truncated_importance_sampling_type="icepop",
-                                          truncated_importance_sampling_ratio=2.0,
-                                          truncated_importance_sampling_ratio_min=0.5))
-    assert icepop == CorrectionConfig.preset("icepop")
-    seq = correction_from_nemo_rl(dict(use_importance_sampling_correction=True,
-                                       truncated_importance_sampling_type="seq-mask-tis",
-                                       truncated_importance_sampling_ratio=1.002,
-                                       truncated_importance_sampling_ratio_min=0.999))
-    assert seq.rollout_importance_sampling_mode == "sequence_mask"
-    assert seq.rollout_importance_sampling_sequence_reduction == "geometric_mean"
-    assert seq.rollout_importance_sampling_sequence_mask_weight == "token"
-    bad = [
-        (dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
-         "use_importance_sampling_correction"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-              truncated_importance_sampling_ratio=2.0), "ratio_min"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="gspo",
-              truncated_importance_sampling_ratio=2.0), "truncated_importance_sampling_type"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-              truncated_importance_sampling_ratio=None), "truncated_importance_sampling_ratio"),
-    ]
-    for cfg, match in bad:
-        with pytest.raises(ValueError, match=match):
-            correction_from_nemo_rl(cfg)
+@pytest.mark.parametrize("case", ["tis_floor_dual_clip_kl", "kl_k2_seq_level_dual_clip"])
+def test_logits_through_nemo_prepare_loss_input(nemo, case):
+    """From logits: NeMo RL's own ``prepare_loss_input`` (``algorithms/loss/utils.py``) turns
+    them into next-token logprobs for the wrapper, as its workers do, and the gradient reaches
+    the logits as for NeMo RL's own loss (flags null) and as the core's (flags set)."""
+    prepare = nemo.load("nemo_rl.algorithms.loss.utils").prepare_loss_input
+    g = torch.Generator().manual_seed(3)
+    B, S, V = 6, 9, 40
+    input_ids = torch.randint(0, V, (B, S), generator=g)
+    base = torch.randn(B, S, V, generator=g)
+    lp = torch.log_softmax(base, -1)[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    prev = torch.cat([torch.zeros(B, 1), lp + 0.05 * torch.randn(B, S - 1, generator=g)], 1)
+    gen = torch.cat([torch.zeros(B, 1), lp + 0.2 * torch.randn(B, S - 1, generator=g)], 1)
+    token_mask = torch.cat([torch.zeros(B, 1), (torch.arange(S - 1)[None] < torch.tensor(
+        [[8], [3], [5], [0], [8], [6]])).float()], 1)
+    data = dict(input_ids=input_ids, prev_logprobs=prev, generation_logprobs=gen, token_mask=token_mask,
+                advantages=torch.tensor([1.0, -0.5, 0.3, 0.8, -1.2, 0.4])[:, None].expand(B, S).clone(),
+                sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0]), reference_policy_logprobs=prev - 0.1)
+    keys = NEMO_CASES[case]
+    results = []
+    for loss_fn in (nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys)), ours_from(keys)):
+        logits = base.clone().requires_grad_(True)
+        batch = nemo.BatchedDataDict({k: v.clone() for k, v in data.items()})
+        with cpu_cuda():  # it moves the token ids to the GPU
+            loss_input, batch = prepare(logits, batch, loss_fn)
+        gvs = batch["sample_mask"].sum()
+        gvt = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum()
+        loss, metrics = loss_fn(data=batch, global_valid_seqs=gvs, global_valid_toks=gvt, **loss_input)
+        loss.backward()
+        results.append((loss.detach(), logits.grad, metrics))
+    (theirs, their_grad, their_metrics), (ours, our_grad, our_metrics) = results
+    assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad)
+    assert bool(their_grad.abs().sum() > 0) and our_metrics == their_metrics
 
 
-def test_recipe_routing():
-    gen = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
-    assert gen["generation"]["vllm_cfg"] == {"enable_prefix_caching": False,
-                                             "logprobs_mode": "processed_logprobs"}
-    assert gen["generation"]["vllm_kwargs"] == {"async_scheduling": False}
-    assert gen["hf_config_overrides"] == {"head_dtype": "float32"}
-    with pytest.raises(ValueError, match="vllm_cfg"):
-        check_nemo_rl_vllm_kwargs({"logprobs_mode": "processed_logprobs"})
+def test_fused_linear_logprobs_reach_the_wrapper_through_nemos_code(nemo):
+    """Main's Megatron ``use_fused_linear_logprobs``: setup() passes the flag to the loss, and
+    ``prepare_loss_input`` (and the sequence-packing wrapper) read it off the loss object to hand
+    over precomputed logprobs. The wrapper carries NeMo RL's attribute and gives NeMo RL's loss on
+    them (flags null) or the core's actor term (flags set). v0.7.0 has no such flag."""
+    fn = nemo.ClippedPGLossFn
+    if "use_fused_linear_logprobs" not in fn.__init__.__code__.co_varnames:
+        with pytest.raises(TypeError):
+            ours_from(NO_KL, use_fused_linear_logprobs=True)
+        return
+    prepare = nemo.load("nemo_rl.algorithms.loss.utils").prepare_loss_input
+    keys = NEMO_CASES["kl_k3"]
+    ours = ours_from(keys, use_fused_linear_logprobs=True)
+    assert ours.use_fused_linear_logprobs is True
+    results = []
+    for loss_fn in (fn(nemo.ClippedPGLossConfig(**keys), use_fused_linear_logprobs=True), ours):
+        data, current = make_data(nemo, "finite")
+        fused = torch.cat([current, torch.zeros(current.shape[0], 1)], dim=1)  # the fused forward's (B, S)
+        loss_input, data = prepare(fused, data, loss_fn)
+        assert loss_input["next_token_logprobs"].shape == current.shape
+        _, gvs, gvt = global_counts(nemo, data, loss_fn)
+        loss, metrics = loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt, **loss_input)
+        loss.backward()
+        results.append((loss.detach(), current.grad, metrics))
+    (theirs, their_grad, their_metrics), (mine, my_grad, my_metrics) = results
+    assert torch.equal(mine, theirs) and torch.equal(my_grad, their_grad) and my_metrics == their_metrics
 
 
-def nemo_engine_kwargs(nemo, monkeypatch, policy: dict) -> dict:
-    """The ``vllm.LLM(**kwargs)`` NeMo RL's own ``BaseVllmGenerationWorker._load_model`` builds
-    from ``policy.generation`` (the engine itself is not started: ``_create_engine`` records)."""
-    from rollout_parity.testing.tiny_model import build_tiny_model
-
-    worker_mod = nemo.load("nemo_rl.models.generation.vllm.vllm_worker")
-    monkeypatch.setattr(worker_mod, "log_gpu_memory_diagnostics", lambda *a, **k: None)  # NVML
-    for var in ("VLLM_USE_V1", "VLLM_ALLOW_INSECURE_SERIALIZATION"):  # _load_model sets them
-        monkeypatch.delenv(var, raising=False)
-    model = build_tiny_model()
-    generation = policy["generation"]
-    vllm_cfg = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 1,
-                "gpu_memory_utilization": 0.5, "max_model_len": 256, "skip_tokenizer_init": False,
-                "precision": "bfloat16", "load_format": "auto", "enforce_eager": True,
-                "async_engine": False, "kv_cache_dtype": "auto", **generation.get("vllm_cfg", {})}
-    vllm_kwargs = dict(generation.get("vllm_kwargs", {}))
-    vllm_kwargs["hf_overrides"] = policy.get("hf_config_overrides", {})  # grpo.py's setup does this
-    worker = worker_mod.BaseVllmGenerationWorker.__new__(worker_mod.BaseVllmGenerationWorker)
-    worker.cfg = {"model_name": model, "vllm_cfg": vllm_cfg, "vllm_kwargs": vllm_kwargs}
-    worker.model_name, worker.precision, worker.fraction_of_gpus = model, "bfloat16", 1.0
-    worker.tensor_parallel_size = worker.pipeline_parallel_size = worker.expert_parallel_size = 1
-    worker.enable_expert_parallel, worker.gpu_memory_utilization = False, 0.5
-    captured: dict = {}
-    worker._create_engine = captured.update
-    worker_mod.BaseVllmGenerationWorker._load_model(worker, None, 0)
-    return captured
+# ----------------------------------------------------------------- construction and bad input
 
 
-def test_recipe_through_nemo_rls_own_engine_assembly(nemo, monkeypatch):
-    """v0.7.0 fixes logprobs_mode itself; main passes vllm_cfg.logprobs_mode or nothing (vLLM's
-    raw default). The recipe lands as processed logprobs, no prefix caching, no async
-    scheduling and the fp32 head on both, and vLLM's own EngineArgs accepts every key."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    policy = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
-    kwargs = nemo_engine_kwargs(nemo, monkeypatch, policy)
-    assert kwargs["logprobs_mode"] == "processed_logprobs"
-    assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is False
-    assert kwargs["hf_overrides"] == {"head_dtype": "float32"}
-    EngineArgs(**kwargs)
-    # Without vllm_cfg.logprobs_mode main leaves vLLM's default, raw logprobs; v0.7.0 does not.
-    without = {"generation": {"vllm_cfg": {"enable_prefix_caching": False},
-                              "vllm_kwargs": {"async_scheduling": False}}}
-    old_recipe = nemo_engine_kwargs(nemo, monkeypatch, without)
-    if nemo.MetricNormalizer is None:  # v0.7.0
-        assert old_recipe["logprobs_mode"] == "processed_logprobs"
-        # The recipe's keys put naively into vllm_kwargs collide with NeMo RL's own.
-        naive = {"generation": {"vllm_cfg": {"enable_prefix_caching": False},
-                                "vllm_kwargs": {"logprobs_mode": "processed_logprobs"}}}
-        with pytest.raises(TypeError, match="multiple values"):
-            nemo_engine_kwargs(nemo, monkeypatch, naive)
-    else:
-        assert "logprobs_mode" not in old_recipe
-
-
-def test_bad_configs_and_data(nemo):
-    with pytest.raises(ValueError, match="twice"):
-        RolloutParityLossFn.from_nemo_config(dict(
-            reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-            truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0,
-            rollout_correction={"rollout_importance_sampling_mode": "token_truncate"}))
-    with pytest.raises(ValueError, match="use_cispo"):
-        RolloutParityLossFn.from_nemo_config(dict(reference_policy_kl_penalty=0.0, use_cispo=True))
-    with pytest.raises(ValueError, match="reference_policy_kl_penalty"):
-        RolloutParityLossFn.from_nemo_config(dict(reference_policy_kl_penalty=0.01))
+def test_refusals_name_the_keys(nemo):
+    tis = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+               truncated_importance_sampling_ratio=2.0)
+    with pytest.raises(ValueError, match="twice.*truncated_importance_sampling_type"):
+        ours_from(tis, {"rollout_importance_sampling_mode": "token_truncate"})
     with pytest.raises(ValueError, match="unknown correction flag"):
-        RolloutParityLossFn.from_nemo_config(dict(reference_policy_kl_penalty=0.0,
-                                                  rollout_correction={"rollout_is_mode": "x"}))
-    with pytest.raises(ValueError, match="unknown key"):
-        RolloutParityLossFn.from_nemo_config(dict(reference_policy_kl_penalty=0.0, ratio_clip=0.2))
-    with pytest.raises(ValueError, match="reference_policy_kl_type"):
-        RolloutParityLossFn(reference_policy_kl_type="k4")
+        ours_from(NO_KL, {"rollout_is_mode": "x"})
+    # Our own entry reads a recipe's block as written: the guard only stops NeMo RL's reading.
+    raw = RolloutParityLossFn.from_nemo_config({"rollout_parity": "${rollout_parity:}", "rollout_correction": {}})
+    assert raw.correction == CorrectionConfig()
+    with pytest.raises(ValueError, match="mapping"):
+        RolloutParityLossFn.from_nemo_config({"rollout_correction": "tis_srs_k3"})
+    with pytest.raises(ValueError, match="from_nemo_config"):
+        RolloutParityLossFn(None, nemo.ClippedPGLossConfig(rollout_correction={}))
+    with pytest.raises(ValueError, match="metrics"):
+        RolloutParityLossFn(metrics="global")
+    # NeMo RL's own checks stay NeMo RL's (its assertion, raised from its __init__).
+    with pytest.raises(AssertionError, match="use_importance_sampling_correction"):
+        ours_from({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0})
+    # NeMo RL's own IS keys without an IS mode of ours: they act, with our rejection beside.
+    both = ours_from(tis, {"rollout_rejection": ["seq_sum_k3"], "rollout_rejection_threshold": 0.01})
+    assert both.nemo_loss_fn.truncated_importance_sampling_type == "tis"
+    with pytest.warns(UserWarning, match="fp32_lm_head"):
+        ours_from(NO_KL, {"fp32_lm_head": True})
+
+
+def test_async_and_fp8_switch_turns_into_our_weight_applied_once(nemo):
+    """``use_importance_sampling_correction: true`` (what async GRPO and FP8 vLLM assert) with
+    an IS mode of ours: NeMo RL's IS is off inside, ours applies once, exactly as with the switch
+    off; NeMo RL's plain IS on top would have multiplied the weights twice."""
+    flags = FLAG_CASES["token_truncate"]
+    with_switch = ours_from(dict(NO_KL, use_importance_sampling_correction=True), flags)
+    assert with_switch.nemo_loss_fn.use_importance_sampling_correction is False
+    a = run(nemo, with_switch, "finite")
+    b = run(nemo, ours_from(NO_KL, flags), "finite")
+    assert a[0] == b[0] and torch.equal(a[1], b[1]) and a[2] == b[2]
+    core_loss, _, _ = core_actor_loss(nemo, NO_KL, flags)
+    assert a[0] == pytest.approx(core_loss, rel=1e-5, abs=1e-7)
+    # Without an IS mode of ours the switch is NeMo RL's plain IS, acting as in NeMo RL.
+    plain = run(nemo, ours_from(dict(NO_KL, use_importance_sampling_correction=True)), "finite")
+    nemo_plain = run(nemo, nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**NEMO_CASES["plain_is"])), "finite")
+    assert plain[0] == nemo_plain[0] and plain[0] != a[0]
+
+
+def test_bad_data_names_the_key_and_shape(nemo):
     data, current = make_data(nemo, "finite")
-    loss_fn = RolloutParityLossFn(CorrectionConfig.preset("icepop"))
+    loss_fn = ours_from(NO_KL, CorrectionConfig.preset("icepop").to_dict())
     with pytest.raises(ValueError, match=r"\[:, 1:\]"):
         loss_fn(torch.cat([current, current[:, :1]], dim=1), data, 7, 50)
     broken = nemo.BatchedDataDict(dict(data))
@@ -489,7 +511,21 @@ def test_bad_configs_and_data(nemo):
         loss_fn(current, broken, 7, 50)
 
 
+def test_no_hand_written_copy_of_nemos_metrics():
+    """The adapter never computes NeMo RL's metrics: their names appear nowhere in its code."""
+    source = "\n".join(p.read_text() for p in ADAPTER.glob("*.py"))
+    for name in ("probs_ratio", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
+                 "js_divergence_error", "approx_entropy", "sampling_importance_ratio", "is_oob_ratio",
+                 "kl_penalty", "num_valid_samples", "positive_nll_loss", "masked_mean", "calculate_kl"):
+        assert not re.search(rf"(?<![\w]){name}(?![\w])", source), name
+    assert all(len(p.read_text().splitlines()) <= 400 for p in ADAPTER.glob("*.py"))
+
+
 def test_missing_nemo_rl_is_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "nemo_rl.algorithms.loss.interfaces", None)
     with pytest.raises(ImportError, match=r"rollout-parity\[nemo-rl\]"):
         RolloutParityLossFn()
+    from rollout_parity.adapters.nemo_rl import apply
+
+    with pytest.raises(ImportError, match=r"rollout-parity\[nemo-rl\]"):
+        apply()

@@ -588,8 +588,9 @@ def framework_lines(cfg: Any) -> dict[str, str]:
     ``verl``: Hydra overrides for ``python -m verl.trainer.main_ppo`` (the adapter merges the
     vLLM recipe into the rollout engine itself). ``trl``: command-line flags for a script that
     parses ``ParityGRPOConfig`` with ``TrlParser``. ``nemo_rl``: YAML to merge into a NeMo RL
-    config: the ``loss_fn`` block read by ``RolloutParityLossFn.from_nemo_config`` and the
-    vLLM recipe where NeMo RL reads it (``nemo_rl_generation_config``).
+    recipe run with ``rollout-parity launch``: the ``loss_fn`` keys the hook turns into
+    ``RolloutParityLossFn`` (the shared flags and the guard line, configs/nemo_rl_loss.yaml) and
+    the vLLM recipe where NeMo RL reads it (``nemo_rl_generation_config``).
     """
     import shlex
 
@@ -604,7 +605,8 @@ def framework_lines(cfg: Any) -> dict[str, str]:
     def plain(v: Any) -> Any:
         return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
 
-    nemo = {"loss_fn": {"rollout_correction": {k: plain(v) for k, v in flags.items()}},
+    nemo = {"loss_fn": {"rollout_parity": "${rollout_parity:}",
+                        "rollout_correction": {k: plain(v) for k, v in flags.items()}},
             **nemo_rl_generation_config(fp32_lm_head=bool(cfg.fp32_lm_head))}
     return {"verl": verl, "trl": trl, "nemo_rl": yaml.safe_dump(nemo, sort_keys=False, default_flow_style=False).rstrip()}
 
@@ -688,7 +690,7 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
     lines = rec["lines"]
     out += ["", "verl (add to python -m verl.trainer.main_ppo ...):", lines["verl"],
             "", "TRL (ParityGRPOConfig through TrlParser):", "    " + lines["trl"],
-            "", "NeMo RL (merge into the config):"] + ["    " + line for line in lines["nemo_rl"].splitlines()]
+            "", "NeMo RL (merge into the recipe; run it with rollout-parity launch examples/run_grpo.py --config ...):"] + ["    " + line for line in lines["nemo_rl"].splitlines()]
     return "\n".join(out)
 
 

@@ -19,6 +19,10 @@ and the script's own subclasses keep working), with the launcher's flags as defa
 The names are restored when the script returns. Scripts that import ``GRPOTrainer`` from
 ``trl.trainer.grpo_trainer`` itself are not redirected: the launcher says so at exit if no
 trainer was built through it (use the import swap or ``apply`` there).
+
+A script that imports ``nemo_rl`` (NeMo RL's ``examples/run_grpo*.py``) runs with the NeMo RL
+hook on instead (``rollout_parity.adapters.nemo_rl.turn_on``): the flags come from its recipe's
+``loss_fn.rollout_correction``, so none are taken here.
 """
 
 from __future__ import annotations
@@ -147,6 +151,12 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     if not (args.module or args.target):
         parser.error("give a script (script.py [args...]) or -m module [args...]")
+    from rollout_parity.adapters.nemo_rl.turn_on import launch as launch_nemo_rl, targets_nemo_rl
+
+    if targets_nemo_rl(script=None if args.module else args.target[0], module=args.module[0] if args.module else None):
+        given = [f"--{f.name}" for f in dataclasses.fields(CorrectionConfig) if getattr(args, f.name) is not None]
+        run = (lambda: _run(args.module[0], args.module[1:])) if args.module else (lambda: _run(None, args.target))
+        return launch_nemo_rl(run, given + (["--preset"] if args.preset else []))
     try:
         cfg = correction_from_args(args)
     except ValueError as exc:

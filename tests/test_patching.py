@@ -170,3 +170,17 @@ def test_missing_name_is_a_framework_api_error_and_nothing_stays_patched(package
     with pytest.raises(FrameworkAPIError, match=r"defs\.Engine\.no_such_method.*tested with Stand-in >=1"):
         patcher.apply()
     assert defs.f is f and len(patcher.patches) == 0  # all or nothing
+
+
+def test_a_patcher_of_lazy_points_only_is_applied_while_it_watches(package):
+    import importlib
+
+    patcher = ModulePatcher("Stand-in", [PatchPoint(f"{package}.late", "g", _plus_one)],
+                            distributions=("no-such-dist",), tested=">=1", extra="none")
+    assert not patcher.is_applied()
+    patcher.apply()
+    try:
+        assert patcher.is_applied() and is_ours(importlib.import_module(f"{package}.late").g)
+    finally:
+        patcher.revert()
+    assert not patcher.is_applied()

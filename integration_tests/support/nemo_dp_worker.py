@@ -26,10 +26,11 @@ def build(ns, case: dict):
     b = make_shared_batch()
     current = b.fresh_current()
     data = nemo_data(ns, b.old_logprobs, b.rollout_logprobs, current, b.response_mask, b.advantages)
-    if "nemo" in case:
-        loss_fn = RolloutParityLossFn.from_nemo_config(dict(reference_policy_kl_penalty=0.0, **case["nemo"]))
+    if "nemo" in case:  # NeMo RL's own keys (its IS acts inside the wrapper), flags null
+        loss_fn = RolloutParityLossFn.from_nemo_config(dict(case["nemo"], rollout_correction={}))
     else:
-        loss_fn = RolloutParityLossFn(config_for(case["shared"]), **case.get("kwargs", {}))
+        loss_fn = RolloutParityLossFn(config_for(case["shared"]),
+                                      dict(reference_policy_kl_penalty=0.0, **case.get("kwargs", {})))
     return data, current, loss_fn
 
 

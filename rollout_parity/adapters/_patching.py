@@ -223,11 +223,11 @@ class ModulePatcher:
             sys.meta_path.remove(self.hook)
 
     def is_applied(self) -> bool:
-        """True while every eager point carries our wrapper."""
-        for point in self.points:
-            if point.eager and not is_ours(self.current(point)):
-                return False
-        return True
+        """True while every eager point carries our wrapper (with none: while the import hook watches)."""
+        eager = [point for point in self.points if point.eager]
+        if not eager:
+            return self.hook in sys.meta_path
+        return all(is_ours(self.current(point)) for point in eager)
 
     @staticmethod
     def current(point: PatchPoint) -> Optional[Any]:

@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import types
+import typing
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -169,6 +170,13 @@ class NemoRLSources:
         saved_handlers, saved_level = list(root_logger.handlers), root_logger.level
         before = set(sys.modules)
         finder = _StubFinder(tree)
+        saved_typed_dict = typing.TypedDict
+        if sys.version_info < (3, 12):
+            # NeMo RL (Python >= 3.13) builds pydantic models over its TypedDict configs (grpo.MasterConfig),
+            # and pydantic accepts only typing_extensions' TypedDict before 3.12; restored on exit.
+            import typing_extensions
+
+            typing.TypedDict = typing_extensions.TypedDict
         sys.path.insert(0, key)
         sys.meta_path.append(finder)
         sys.modules.update(self._stash.pop(key, {}))
@@ -197,6 +205,7 @@ class NemoRLSources:
             warnings.filters[:] = saved_filters
             getattr(warnings, "_filters_mutated", lambda: None)()
             sys.excepthook = saved_excepthook
+            typing.TypedDict = saved_typed_dict
             if AutoTokenizer is not None:
                 AutoTokenizer.from_pretrained = saved_from_pretrained
 

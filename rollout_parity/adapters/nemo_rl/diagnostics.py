@@ -1,0 +1,63 @@
+"""Our ``rollout_correction/*`` diagnostics beside NeMo RL's metrics, normalised by its global counts.
+
+NeMo RL *sums* every loss metric over microbatches and data-parallel ranks (``grpo.py``), so each
+diagnostic is returned as this microbatch's share of the global mean: local mean × local count /
+global count. Token means divide by ``global_valid_toks``; sequence means by ``global_valid_seqs``
+(a sample without valid, finite tokens counts as on-policy). Extrema and quantities no sum gives
+are left out. ``normalizations`` names each denominator for NeMo RL main's ``MetricNormalizer``.
+NeMo RL's own metrics are never computed here: they come from its ``ClippedPGLossFn``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["TOKEN_MEANS", "SEQ_MEANS", "PPL_MEANS", "LEFT_OUT", "PREFIX", "global_shares", "normalizations"]
+
+PREFIX = "rollout_correction/"
+TOKEN_MEANS = ("kl", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac", "delta_abs_mean",
+               "rejected_token_frac", "nonfinite_frac", "loss_contrib_pos", "loss_contrib_neg",
+               "loss_contrib_rollout_pos", "loss_contrib_rollout_neg")
+SEQ_MEANS = ("chi2_seq", "rejected_seq_frac", "off_policy_masked_frac")
+PPL_MEANS = ("log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio")
+LEFT_OUT = ("ess", "delta_abs_max", "log_ppl_diff_max", "log_ppl_diff_min", "training_ppl",
+            "training_log_ppl", "rollout_ppl", "rollout_log_ppl")
+
+
+def global_shares(core_metrics: dict, out: Any, mask: torch.Tensor, sample_mask: torch.Tensor,
+                  gvt: float, gvs: float) -> dict[str, float]:
+    """The core's local means (``compute_correction`` on one microbatch) as shares of the global
+    means. ``mask`` is NeMo RL's ``token_mask * sample_mask`` before our rejection."""
+    n_tok = float(mask.sum())
+    n_seq = float((mask.sum(dim=-1) > 0).sum())
+    finite = mask - out.nonfinite.to(mask.dtype)
+    n_ppl = float((finite.sum(dim=-1) > 0).sum())
+    n_samples = float(sample_mask.sum())
+    per_tok = 1.0 / gvt if gvt > 0 else 0.0
+    per_seq = 1.0 / gvs if gvs > 0 else 0.0
+    shares: dict[str, float] = {}
+    for name in TOKEN_MEANS:
+        if PREFIX + name in core_metrics:
+            shares[PREFIX + name] = core_metrics[PREFIX + name] * n_tok * per_tok
+    for name in SEQ_MEANS:
+        if PREFIX + name in core_metrics:
+            shares[PREFIX + name] = core_metrics[PREFIX + name] * n_seq * per_seq
+    for name in PPL_MEANS:
+        if PREFIX + name in core_metrics:
+            value = core_metrics[PREFIX + name]
+            if name == "ppl_ratio":  # on-policy value 1 for samples without a finite token
+                shares[PREFIX + name] = ((value - 1.0) * n_ppl + n_samples) * per_seq
+            else:
+                shares[PREFIX + name] = value * n_ppl * per_seq
+    return shares
+
+
+def normalizations(MetricNormalizer: Any, local: bool = False) -> dict[str, Any]:
+    """``{metric: MetricNormalizer}`` for our diagnostics (NeMo RL main's split-step contract)."""
+    if local:
+        return {PREFIX + name: MetricNormalizer.NONE for name in TOKEN_MEANS + SEQ_MEANS + PPL_MEANS + LEFT_OUT}
+    out = {PREFIX + name: MetricNormalizer.TOKENS for name in TOKEN_MEANS}
+    out.update({PREFIX + name: MetricNormalizer.SEQUENCES for name in SEQ_MEANS + PPL_MEANS})
+    return out

@@ -1,0 +1,66 @@
+"""The vLLM parity recipe placed where NeMo RL reads it (``policy.generation``), and the check of
+``vllm_kwargs`` against the keywords NeMo RL passes to ``vllm.LLM`` itself. docs/nemo_rl.md,
+"The vLLM recipe", says why each key sits where it does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from rollout_parity.adapters.nemo_rl.versions import NEMO_RL_VERSION
+
+__all__ = ["NEMO_RL_FIXED_LLM_KWARGS", "nemo_rl_generation_config", "check_nemo_rl_vllm_kwargs"]
+
+# What NeMo RL v0.7's vllm_worker.py passes to vllm.LLM itself: the same key in vllm_kwargs
+# is a duplicate keyword (TypeError). Main passes the same minus logprobs_mode.
+NEMO_RL_FIXED_LLM_KWARGS = (
+    "model", "served_model_name", "load_format", "skip_tokenizer_init", "tensor_parallel_size",
+    "pipeline_parallel_size", "enable_expert_parallel", "gpu_memory_utilization",
+    "enable_prefix_caching", "dtype", "seed", "enforce_eager", "max_model_len",
+    "trust_remote_code", "worker_extension_cls", "enable_sleep_mode", "disable_log_stats",
+    "logprobs_mode",
+)
+
+
+def nemo_rl_generation_config(fp32_lm_head: bool = False, prefix_cache_policy: str = "off",
+                              **vllm_kwargs: Any) -> dict:
+    """The vLLM parity recipe placed where NeMo RL reads it (v0.7.0 and main).
+
+    Returns ``{"policy": {"generation": {"vllm_cfg": {...}, "vllm_kwargs": {...}},
+    "hf_config_overrides": {...}}}`` to merge into a NeMo RL config. NeMo RL's
+    ``vllm_worker.py`` passes ``enable_prefix_caching=<vllm_cfg.enable_prefix_caching>`` (and,
+    at v0.7, ``logprobs_mode="processed_logprobs"``) to ``vllm.LLM`` itself, so the same keys
+    inside ``vllm_kwargs`` would be duplicate keywords (a TypeError at engine start). Main no
+    longer fixes ``logprobs_mode``: it passes ``vllm_cfg.logprobs_mode`` when set and leaves
+    vLLM's default (raw logprobs) otherwise. So ``logprobs_mode`` and prefix caching go to
+    ``vllm_cfg`` (v0.7 ignores ``vllm_cfg.logprobs_mode`` and fixes the same value);
+    ``hf_overrides`` go to ``policy.hf_config_overrides`` (``grpo.py`` overwrites
+    ``vllm_kwargs["hf_overrides"]`` with it); everything else (``async_scheduling``) is
+    ``policy.generation.vllm_kwargs``.
+    """
+    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+
+    recipe = dict(vllm_parity_kwargs(fp32_lm_head=fp32_lm_head,
+                                     prefix_cache_policy=prefix_cache_policy, **vllm_kwargs))
+    logprobs_mode = recipe.pop("logprobs_mode", "processed_logprobs")
+    if logprobs_mode != "processed_logprobs":
+        raise ValueError(f"logprobs_mode={logprobs_mode!r}: NeMo RL {NEMO_RL_VERSION} always "
+                         "uses processed_logprobs")
+    vllm_cfg = {"enable_prefix_caching": bool(recipe.pop("enable_prefix_caching")),
+                "logprobs_mode": logprobs_mode}
+    hf_overrides = dict(recipe.pop("hf_overrides", None) or {})
+    check_nemo_rl_vllm_kwargs(recipe)
+    policy: dict[str, Any] = {"generation": {"vllm_cfg": vllm_cfg, "vllm_kwargs": recipe}}
+    if hf_overrides:
+        policy["hf_config_overrides"] = hf_overrides
+    return {"policy": policy}
+
+
+def check_nemo_rl_vllm_kwargs(vllm_kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``policy.generation.vllm_kwargs`` keys NeMo RL already passes to vLLM itself."""
+    clash = sorted(set(vllm_kwargs) & set(NEMO_RL_FIXED_LLM_KWARGS))
+    if clash:
+        raise ValueError(
+            f"policy.generation.vllm_kwargs has {clash}, which NeMo RL {NEMO_RL_VERSION} passes to "
+            "vllm.LLM itself (a duplicate keyword at engine start); set enable_prefix_caching "
+            "and logprobs_mode in policy.generation.vllm_cfg")
