@@ -39,6 +39,7 @@ from rollout_parity.check.shared_batch import (  # noqa: E402
     load_expected,
     make_shared_batch,
 )
+from rollout_parity.check.trl_checks import AGGREGATION, core_with_trl_denominators  # noqa: E402
 from rollout_parity.check.trl_batch import (  # noqa: E402
     LogprobForward,
     generation_batch,
@@ -47,14 +48,13 @@ from rollout_parity.check.trl_batch import (  # noqa: E402
     stub_forward,
 )
 from rollout_parity.check.trl_batch import through_trl as run_through_trl  # noqa: E402
-from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
+from rollout_parity import CorrectionConfig, compute_correction  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
 
 pytestmark = [pytest.mark.trl]
 
 TOL = 1e-6
 #: TRL loss type -> the core's aggregation of the same loss (one process, gradient accumulation 1).
-AGGREGATION = {"bnpo": "token-mean", "dapo": "token-mean", "grpo": "seq-mean-token-mean"}
 
 
 @pytest.fixture(scope="module")
@@ -92,22 +92,6 @@ def _close(actual, expected, what):
         f"{what}: max abs diff {(actual - expected).abs().nan_to_num(0).max().item():.3g}")
 
 
-def core_loss(name, loss_type):
-    """The core's loss and gradient for TRL's ``loss_type``, with TRL's denominators."""
-    batch = make_shared_batch()
-    cfg = config_for(name)
-    current = batch.fresh_current()
-    out = compute_correction(cfg, old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
-                             response_mask=batch.response_mask, advantages=batch.advantages, current_logprobs=current)
-    # TRL's off-policy mask multiplies the loss: its sequences still count in the token denominators.
-    tokens = (batch.response_mask * (1 - out.rejected)).sum()
-    kwargs = {"global_num_seqs": float(B)} if loss_type == "grpo" else {"global_num_tokens": tokens}
-    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
-                          correction=out, clip_ratio=0.2, loss_agg_mode=AGGREGATION[loss_type], **kwargs)
-    loss.backward()
-    return loss.detach(), current.grad
-
-
 @pytest.mark.parametrize("loss_type", sorted(AGGREGATION))
 @pytest.mark.parametrize("name", all_config_names())
 def test_shared_batch_through_trl_matches_core(clean, name, loss_type):
@@ -121,7 +105,7 @@ def test_shared_batch_through_trl_matches_core(clean, name, loss_type):
     if loss_type == "bnpo" and cfg.off_policy_sequence_mask_delta is None:  # the frozen file's own aggregation
         _close(loss, expected["loss"], f"{name} loss")
         _close(grad, expected["grad"], f"{name} gradient")
-    want_loss, want_grad = core_loss(name, loss_type)
+    want_loss, want_grad = core_with_trl_denominators(name, loss_type)
     _close(loss, want_loss, f"{name} {loss_type} loss")
     _close(grad, want_grad, f"{name} {loss_type} gradient")
     assert grad.abs().sum() > 0

@@ -30,6 +30,7 @@ from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 
 from rollout_parity.adapters import verl as adapter  # noqa: E402,F401 (importing it applies the patches)
 from integration_tests.support.verl_equivalent import verl_equivalent  # noqa: E402
+from rollout_parity.check.verl_checks import call_verl_loss  # noqa: E402
 
 from rollout_parity.check.shared_batch import all_config_names, config_for, make_shared_batch  # noqa: E402
 from .support.verl_configs import actor_config as verl_actor_config  # noqa: E402
@@ -45,18 +46,6 @@ NO_CORRECTION = {"rollout_is": None, "rollout_rs": None, "bypass_mode": False}
 def actor_config():
     # verl >= 0.9: dro needs its penalty coefficient
     return verl_actor_config(*(["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"] if "dro" in LOSS_MODES else []))
-
-
-def run_loss(fn, actor_config, batch, mask, weights):
-    """One call of a verl PolicyLossFn as verl's ppo_loss makes it; returns (loss, grad, metrics)."""
-    actor_config.global_batch_info.clear()
-    torch.manual_seed(0)  # clip_cov / kl_cov pick their tokens at random
-    current = batch.fresh_current()
-    loss, metrics = fn(old_log_prob=batch.old_logprobs, log_prob=current,
-                       advantages=batch.advantages[:, None] * batch.response_mask, response_mask=mask.bool(),
-                       loss_agg_mode="token-mean", config=actor_config, rollout_is_weights=weights)
-    loss.backward()
-    return loss.detach(), current.grad, metrics
 
 
 def driver(batch, old, rollout, mask, helper_fn=None, rc=NO_CORRECTION):
@@ -77,7 +66,7 @@ def test_every_verl_loss_runs_on_our_weights_and_mask(loss_mode, name, actor_con
     original = core_algos.POLICY_LOSS_REGISTRY[loss_mode]
     assert wrapped is not original and wrapped.__wrapped__ is original
 
-    loss, grad, metrics = run_loss(wrapped, actor_config, batch, mask, weights)
+    loss, grad, metrics = call_verl_loss(wrapped, actor_config, batch, mask, weights)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     # what the loss finally saw: our mask, narrowed by the off-policy mask in the wrapper
     seen = mask.bool()
@@ -93,7 +82,7 @@ def test_every_verl_loss_runs_on_our_weights_and_mask(loss_mode, name, actor_con
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
 
     # the wrapper adds nothing to the loss: verl's own function on the same (narrowed) mask
-    their_loss, their_grad, _ = run_loss(original, actor_config, batch, seen, weights)
+    their_loss, their_grad, _ = call_verl_loss(original, actor_config, batch, seen, weights)
     assert torch.equal(loss, their_loss) and torch.equal(grad, their_grad)
 
 
@@ -120,8 +109,8 @@ def test_weights_reach_every_loss_as_verls_own_correction_would_hand_them(loss_m
     torch.testing.assert_close(ours[0], theirs[0].to(ours[0].dtype), atol=0, rtol=0)
     if cfg.rollout_importance_sampling_mode is not None:
         torch.testing.assert_close(ours[1], theirs[1], atol=1e-6, rtol=1e-6)
-    loss, grad, _ = run_loss(core_algos.get_policy_loss_fn(loss_mode), actor_config, batch, *ours)
-    their_loss, their_grad, _ = run_loss(core_algos.POLICY_LOSS_REGISTRY[loss_mode], actor_config, batch, *theirs)
+    loss, grad, _ = call_verl_loss(core_algos.get_policy_loss_fn(loss_mode), actor_config, batch, *ours)
+    their_loss, their_grad, _ = call_verl_loss(core_algos.POLICY_LOSS_REGISTRY[loss_mode], actor_config, batch, *theirs)
     torch.testing.assert_close(loss, their_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, their_grad, atol=1e-6, rtol=1e-6)
 

@@ -73,7 +73,7 @@ def _driver(helper_fn: Callable, old, rollout, mask, rc: dict):
     return proto.batch["response_mask"], weights, metrics
 
 
-def _loss(fn: Callable, actor: Any, batch: Any, mask, weights):
+def call_verl_loss(fn: Callable, actor: Any, batch: Any, mask, weights):
     """One call of a verl PolicyLossFn as verl's ppo_loss makes it; returns (loss, grad, metrics)."""
     actor.global_batch_info.clear()
     torch.manual_seed(0)  # clip_cov / kl_cov pick their tokens at random
@@ -109,7 +109,7 @@ def run_verl_checks(report: FrameworkReport, tick: Callable[[], None] = lambda: 
             _check_driver(checks["verl/driver"], name, cfg, batch, mask, weights, metrics, expected, compute_correction)
             if cfg.off_policy_sequence_mask_delta is None:
                 vanilla = core_algos.get_policy_loss_fn("vanilla")
-                loss, grad, _ = _loss(vanilla, actor, batch, mask, corrupt("verl/vanilla", weights, mask))
+                loss, grad, _ = call_verl_loss(vanilla, actor, batch, mask, corrupt("verl/vanilla", weights, mask))
                 checks["verl/vanilla"].close(name, "loss", loss, expected["loss"], rtol=1e-6)
                 checks["verl/vanilla"].close(name, "gradient", grad, expected["grad"], rtol=1e-6)
             for mode in modes:
@@ -148,7 +148,7 @@ def _check_mode(check, name, mode, cfg, batch, actor, mask, weights, core_algos)
     case = f"{mode}:{name}"
     wrapped, original = core_algos.get_policy_loss_fn(mode), core_algos.POLICY_LOSS_REGISTRY[mode]
     check.expect(case, getattr(wrapped, "__wrapped__", None) is original, "the loss is not wrapped by the adapter")
-    loss, grad, metrics = _loss(wrapped, actor, batch, mask, corrupt("verl/loss-modes", weights, mask))
+    loss, grad, metrics = call_verl_loss(wrapped, actor, batch, mask, corrupt("verl/loss-modes", weights, mask))
     check.expect(case, bool(torch.isfinite(loss)) and bool(torch.isfinite(grad).all()), "non-finite loss or gradient")
     seen = mask.bool()  # what the loss finally sees: our mask, narrowed by the off-policy mask in the wrapper
     if cfg.off_policy_sequence_mask_delta is not None:
@@ -157,7 +157,7 @@ def _check_mode(check, name, mode, cfg, batch, actor, mask, weights, core_algos)
     check.expect(case, bool(grad[~seen].abs().max() == 0), "a removed token received gradient")
     check.expect(case, bool(grad[seen].abs().max() > 0), "the loss trained nothing")
     check.expect(case, {"policy/pg_clipfrac", "policy/ppo_kl"} <= set(metrics), "our policy metrics are missing")
-    their_loss, their_grad, _ = _loss(original, actor, batch, seen, weights)
+    their_loss, their_grad, _ = call_verl_loss(original, actor, batch, seen, weights)
     check.close(case, "loss vs verl's unwrapped", loss, their_loss, atol=0.0)
     check.close(case, "gradient vs verl's unwrapped", grad, their_grad, atol=0.0)
 
