@@ -707,26 +707,57 @@ def test_rejected_sequences_leave_verls_grpo_baselines(flags):
     assert not torch.allclose(theirs.batch["advantages"], expected, atol=1e-3)
 
 
-def test_a_rejected_reward_token_leaves_the_score(flags):
-    """Token-level rejection of the final (reward) token: the outcome reward is masked like the token."""
+def test_a_rejected_reward_token_keeps_the_rows_score(flags):
+    """Token-level rejection of a row's final (reward) token: the row keeps its other tokens, and its outcome
+    reward with them (moved to its last kept token); its siblings' baselines see its real score.
+
+    Reference: GRPO written out over every row's real score (no row is fully rejected here). Before the fix
+    the hook masked the reward with the token, so a correct answer trained on with score 0."""
     import numpy as np
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
     flags(CorrectionConfig(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02))
     old, rollout, mask, rewards, uid = grpo_batch(1)
+    rewards[0, 0] = 0.25  # and a process reward on a kept token stays where it is
     rollout = old.clone()
     last = mask.sum(-1).long() - 1
     rollout[0, last[0]] += 1.0  # only row 0's reward token is off
     proto = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
-                                         "token_level_rewards": rewards}, non_tensors={"uid": np.array(uid, dtype=object)})
+                                         "token_level_rewards": rewards.clone()},
+                                non_tensors={"uid": np.array(uid, dtype=object)})
     out, _ = helper.compute_rollout_correction_and_add_to_batch(proto, {"rollout_is": None, "rollout_rs": None})
     new_mask = out.batch["response_mask"]
     assert new_mask[0, last[0]] == 0 and new_mask.sum() == mask.sum() - 1
-    out = compute_advantage(out, adv_estimator="grpo", num_repeat=4)
-    scores = rewards.sum(-1)
-    scores[0] = 0.0  # its reward token was rejected
-    expected = naive_grpo(scores, new_mask, uid, torch.ones(len(uid), dtype=torch.bool))
-    torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
+    moved = out.batch["token_level_rewards"]
+    assert moved[0, last[0] - 1] == rewards[0, last[0]] and moved[0, last[0]] == 0 and moved[0, 0] == 0.25
+    torch.testing.assert_close(moved[1:], rewards[1:])  # the other rows are untouched
+    torch.testing.assert_close(moved.sum(-1), rewards.sum(-1))
+    grpo = compute_advantage(out, adv_estimator="grpo", num_repeat=4)
+    expected = naive_grpo(rewards.sum(-1), new_mask, uid, torch.ones(len(uid), dtype=torch.bool))
+    torch.testing.assert_close(grpo.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
+    lost = rewards.sum(-1)
+    lost[0] = 0.25  # what masking the reward with its token made of row 0's score
+    leaky = naive_grpo(lost, new_mask, uid, torch.ones(len(uid), dtype=torch.bool))
+    assert (leaky[:4] - expected[:4]).abs().max() > 0.1  # the whole group's advantages would move
+
+
+def test_gae_keeps_the_reward_of_a_rejected_last_token(flags):
+    """verl's GAE skips masked positions (their reward is dropped): the moved reward reaches the returns."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    flags(CorrectionConfig(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02))
+    old, _, mask, rewards, _ = grpo_batch(1)
+    rollout = old.clone()
+    last = mask.sum(-1).long() - 1
+    rollout[torch.arange(len(last)), last] += 1.0  # every row's reward token is off
+    proto = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                         "token_level_rewards": rewards.clone()})
+    out, _ = helper.compute_rollout_correction_and_add_to_batch(proto, {"rollout_is": None, "rollout_rs": None})
+    values = torch.zeros_like(mask)
+    _, returns = compute_gae_advantage_return(out.batch["token_level_rewards"], values, out.batch["response_mask"],
+                                              gamma=torch.tensor(1.0), lam=torch.tensor(1.0))
+    # gamma = lam = 1, zero values: every kept token's return is the row's whole reward
+    torch.testing.assert_close(returns[:, 0], rewards.sum(-1))
 
 
 def test_bypass_under_top_p_puts_pi_rollout_on_the_trainers_support(flags):
