@@ -419,14 +419,92 @@ def test_verl_08s_main_ppo_sync_refuses_bypass_with_rejection_at_start(tmp_path)
     (["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
      "sequence parallelism"),
     (["actor_rollout_ref.rollout.top_k=20", "++trainer.use_v1=false"], "use_v1"),
+    # the vLLM recipe and the sampler-aware pi_old have no SGLang form: not "sampler-aware" under vLLM's kwargs
+    (["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.top_p=0.9"], "rollout.name='sglang'"),
+    (["actor_rollout_ref.rollout.name=sglang"], "needs vLLM as the rollout"),
+    (["actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"], r"rollout\.logprobs_mode='raw_logprobs' contradicts"),
 ])
 def test_what_cannot_be_expressed_fails_at_start_naming_it(overrides, flag):
     if not any(o.startswith("+rollout_parity.") for o in overrides):
         overrides = ["+rollout_parity.rollout_importance_sampling_mode=token_truncate", *overrides]
     config = compose_verl(*overrides)
+    before = OmegaConf.to_container(config)
     with pytest.raises(ValueError, match=flag):
         adapter.configure_verl(config)
     assert adapter.active_config() is None
+    assert OmegaConf.to_container(config) == before  # refused before anything was written
+
+
+def test_verls_default_prefix_caching_is_overridden_and_said_so(capsys):
+    """verl's own default (rollout.enable_prefix_caching=True) is not the recipe's: turned off, printed (not
+    only at INFO, which verl's logging setup hides); set on the command line it is refused (next test)."""
+    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate")
+    assert config.actor_rollout_ref.rollout.enable_prefix_caching is True
+    try:
+        adapter.configure_verl(config)
+    finally:
+        adapter.set_active_config(None)
+    assert config.actor_rollout_ref.rollout.enable_prefix_caching is False
+    out = capsys.readouterr().out
+    assert "[rollout-parity] verl settings overridden: " in out
+    assert "actor_rollout_ref.rollout.enable_prefix_caching: True -> False" in out
+
+
+def test_a_real_main_ppo_command_line_refuses_prefix_caching_set_on_it(tmp_path):
+    """``actor_rollout_ref.rollout.enable_prefix_caching=true`` on the command line is the user's choice, the
+    same setting as ``engine_kwargs.vllm.enable_prefix_caching=true``: refused alike, before Ray starts."""
+    proc = _real_command_line(tmp_path, "verl.trainer.main_ppo", "+rollout_parity.preset=tis_srs_k3",
+                              "actor_rollout_ref.rollout.enable_prefix_caching=true")
+    assert proc.returncode != 0
+    assert "actor_rollout_ref.rollout.enable_prefix_caching=True contradicts the parity recipe" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "ray init kwargs" not in proc.stdout
+
+
+def _job(monkeypatch, env_vars):
+    """This process as the driver of a ``ray job submit`` whose runtime env has ``env_vars``."""
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"env_vars": env_vars}}))
+    for key, value in env_vars.items():  # Ray sets the job's variables in the driver's environment too
+        monkeypatch.setenv(key, value)
+
+
+def test_a_submitted_job_carrying_verl_use_external_modules_keeps_it(monkeypatch):
+    """``ray job submit --runtime-env-json '{"env_vars": {"VERL_USE_EXTERNAL_MODULES": ...}}'`` (verl 0.8's only
+    way to load the adapter in a submitted driver): the adapter leaves the key to the job, as verl does with its
+    own defaults, and Ray's own merge of the job's env with verl's ``ray.init`` env succeeds (it refused the
+    duplicate key before: "Failed to merge the Job's runtime env")."""
+    from ray.runtime_env.runtime_env import _merge_runtime_env
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    job_env = {"VERL_USE_EXTERNAL_MODULES": f"my_platform,{adapter.MODULE}", "MY_SETTING": "1"}
+    _job(monkeypatch, job_env)
+    config = compose_verl("+rollout_parity.preset=tis_srs_k3")
+    try:
+        adapter.configure_verl(config)
+    finally:
+        adapter.set_active_config(None)
+    env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert "VERL_USE_EXTERNAL_MODULES" not in env_vars
+    assert CorrectionConfig.from_dict(json.loads(env_vars[adapter.ENV_CONFIG])) == CorrectionConfig.preset("tis_srs_k3")
+    # what verl's run_ppo hands ray.init, then what ray.init does with it inside a submitted job
+    driver_env = OmegaConf.to_container(OmegaConf.merge(get_ppo_ray_runtime_env(config),
+                                                        config.ray_kwargs.ray_init.runtime_env))
+    merged = _merge_runtime_env({"env_vars": job_env}, driver_env)
+    assert merged is not None, "Ray would refuse the job"
+    assert merged["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == job_env["VERL_USE_EXTERNAL_MODULES"]
+    assert merged["env_vars"][adapter.ENV_CONFIG] == env_vars[adapter.ENV_CONFIG]
+
+
+def test_a_submitted_job_whose_modules_lack_the_adapter_is_refused_naming_the_fix(monkeypatch):
+    _job(monkeypatch, {"VERL_USE_EXTERNAL_MODULES": "my_platform"})
+    config = compose_verl("+rollout_parity.preset=tis_srs_k3")
+    with pytest.raises(ValueError, match=r"VERL_USE_EXTERNAL_MODULES='my_platform' without rollout_parity\.adapters"
+                                         r"\.verl.*--runtime-env-json .*my_platform,rollout_parity\.adapters\.verl"):
+        adapter.configure_verl(config)
+    assert adapter.active_config() is None
+    _job(monkeypatch, {adapter.ENV_CONFIG: "{}"})
+    with pytest.raises(ValueError, match=f"sets {adapter.ENV_CONFIG}"):
+        adapter.configure_verl(compose_verl("+rollout_parity.preset=tis_srs_k3"))
 
 
 @pytest.mark.parametrize("loss_mode", ["gspo", "cispo", "geo_mean"])
