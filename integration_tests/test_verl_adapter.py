@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -979,6 +980,46 @@ def test_missing_verl_is_an_import_error_naming_the_extra():
             "try:\n    import rollout_parity.adapters.verl\nexcept ImportError as e:\n    print('MSG', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install rollout-parity[verl]" in proc.stdout, proc.stderr[-2000:]
+
+
+def _import_verl_with_a_broken_adapter(argv, **env):
+    """``import verl`` in a fresh process whose adapter cannot import (a room missing), the adapter reached only
+    through verl's ``verl.plugins`` entry point, as on verl 0.9 without ``VERL_USE_EXTERNAL_MODULES``."""
+    assert "rollout_parity" in {ep.name for ep in importlib.metadata.entry_points(group="verl.plugins")}
+    code = ("import sys\n"
+            "sys.modules['rollout_parity.adapters.verl.compat'] = None  # the room cannot be imported\n"
+            f"sys.argv = {['main_ppo', *argv]!r}\n"
+            "import verl\n"
+            "print('VERL_IMPORTED', 'rollout_parity.adapters.verl.patches' in sys.modules)\n")
+    clean = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", adapter.ENV_CONFIG)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**clean, "PYTHONPATH": str(REPO), **env})
+
+
+def test_a_driver_whose_plugin_import_fails_stops_naming_the_fix():
+    """verl logs a failed ``verl.plugins`` import at DEBUG only, so ``+rollout_parity.*`` overrides would be ignored:
+    a driver whose command line sets them stops at ``import verl``, naming the cause and the fix."""
+    proc = _import_verl_with_a_broken_adapter(["+rollout_parity.preset=tis_srs_k3", "trainer.nnodes=1"])
+    assert proc.returncode == 1 and "VERL_IMPORTED" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    err = proc.stderr
+    assert "[rollout-parity] ERROR: rollout-parity's verl adapter (rollout_parity.adapters.verl) failed to import" in err
+    assert "rollout_parity.adapters.verl.compat" in err  # the cause
+    assert "+rollout_parity.preset=tis_srs_k3" in err and "trains uncorrected" in err
+    assert "pip install 'rollout-parity[verl]'" in err and "on every node" in err
+
+
+def test_a_ray_process_of_a_configured_job_whose_plugin_import_fails_stops_too():
+    """A worker on a node where the adapter cannot import, in a job that carries the flags (its env): the same."""
+    proc = _import_verl_with_a_broken_adapter([], **{adapter.ENV_CONFIG: json.dumps(CorrectionConfig().to_dict())})
+    assert proc.returncode == 1 and "VERL_IMPORTED" not in proc.stdout
+    assert f"configured with rollout-parity's flags ({adapter.ENV_CONFIG} is set)" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_without_the_flags_a_failed_plugin_import_is_a_warning_and_verl_goes_on():
+    proc = _import_verl_with_a_broken_adapter(["trainer.nnodes=1"])
+    assert proc.returncode == 0 and "VERL_IMPORTED False" in proc.stdout, proc.stderr[-3000:]
+    assert "rollout-parity's verl adapter (rollout_parity.adapters.verl) failed to import" in proc.stderr
+    assert "verl runs without it" in proc.stderr and "pip install 'rollout-parity[verl]'" in proc.stderr
 
 
 def test_the_example_command_line_passes_verls_validation():
