@@ -1022,6 +1022,22 @@ def test_without_the_flags_a_failed_plugin_import_is_a_warning_and_verl_goes_on(
     assert "verl runs without it" in proc.stderr and "pip install 'rollout-parity[verl]'" in proc.stderr
 
 
+def test_a_process_on_a_node_without_the_package_fails_at_import_verl(tmp_path):
+    """Every Ray process of a configured job imports the adapter through ``VERL_USE_EXTERNAL_MODULES`` (which the
+    adapter hands to the job): where rollout-parity is not installed, verl's own import of that variable fails
+    uncaught, naming the package, instead of the process running without the correction."""
+    missing = tmp_path / "node_without_it" / "rollout_parity"
+    missing.mkdir(parents=True)  # shadows every installed copy, as if the package were absent
+    (missing / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'rollout_parity'\", name='rollout_parity')\n")
+    env = {**os.environ, "PYTHONPATH": str(missing.parent), "VERL_USE_EXTERNAL_MODULES": adapter.MODULE,
+           adapter.ENV_CONFIG: json.dumps(CorrectionConfig.preset("tis_srs_k3").to_dict())}
+    proc = subprocess.run([sys.executable, "-c", "import verl; print('VERL_IMPORTED')"], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0 and "VERL_IMPORTED" not in proc.stdout
+    assert "ModuleNotFoundError: No module named 'rollout_parity'" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_the_example_command_line_passes_verls_validation():
     """examples/verl_ppo.sh: its overrides compose, configure and pass verl's own validate_config."""
     import re
