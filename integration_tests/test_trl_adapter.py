@@ -692,6 +692,7 @@ def test_vespo_with_our_flags_through_trls_own_constructor_and_a_step(run, tmp_p
             trainer.train()
         log = [h for h in trainer.state.log_history if "loss" in h][-1]
         assert math.isfinite(log["loss"]) and "vespo/phi_seq_mean" in log and "rollout_correction/kl" in log
+        assert recorder.inputs, "TRL's loss saw no batch"
         for inputs in recorder.inputs:
             expected, _ = naive_channels(inputs, UPPER, k3_max=float("inf"))
             torch.testing.assert_close(inputs["importance_sampling_ratio"], expected, atol=1e-6, rtol=0)

@@ -132,10 +132,18 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
         revert(trainer)
         raise
     if needs_rollout_logprobs(cfg):  # one visible line per process (every rank, every node)
-        acc = trainer.accelerator
-        print(f"[rollout-parity] TRL adapter active in pid {os.getpid()} on {socket.gethostname()} (rank "
-              f"{acc.process_index} of {acc.num_processes}): {describe_flags(cfg)}", flush=True)
+        print(f"[rollout-parity] TRL adapter active in pid {os.getpid()} on {socket.gethostname()} ({_rank()}): "
+              f"{describe_flags(cfg)}", flush=True)
     return trainer
+
+
+def _rank() -> str:
+    """This process's data-parallel rank, from torch.distributed (accelerate's state may have been reset since)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return f"rank {dist.get_rank()} of {dist.get_world_size()}"
+    return f"rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')}"
 
 
 def _set_flag(trainer: Any, state: _State, name: str, value: Any) -> None:
