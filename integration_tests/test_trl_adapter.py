@@ -23,7 +23,9 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +63,7 @@ UPPER, K3_MAX = 1.1, 0.05
 RUN_FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=UPPER,
                  rollout_rejection=["token_k3"], rollout_rejection_threshold=[K3_MAX])
 CORRECTION = CorrectionConfig(**{**RUN_FLAGS, "rollout_rejection_threshold": K3_MAX}, fp32_lm_head=True)
+BUILD_SECONDS: dict[str, float] = {}  # how long ParityGRPOTrainer took to build the module's model and engine
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +78,10 @@ def run(tmp_path_factory):
         gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2, **RUN_FLAGS, fp32_lm_head=True)
     with restored_distributed_env():  # TRL's engine setup writes RANK, WORLD_SIZE, MASTER_PORT, ...
         with cpu_weight_sync_shim():  # TRL reloads weights into the CPU engine every step
+            start = time.monotonic()
             trainer = ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=reward_distinct_chars, args=args,
                                         train_dataset=prompts_dataset())
+            BUILD_SECONDS["model_and_engine"] = time.monotonic() - start
         trainer.vllm_generation.generate = shifted_sampler(trainer.vllm_generation.generate, SHIFTS)
         recorder = Recorder(trainer)
         trainer.train()
@@ -533,11 +538,165 @@ def test_missing_trl_names_the_extra():
     assert "pip install rollout-parity[trl]" in proc.stderr
 
 
-def test_apply_logs_every_patch(run, caplog):
+def test_apply_logs_every_patch(run, caplog, capsys):
     trainer, _ = run
     trl_adapter.revert(trainer)
     with caplog.at_level(logging.INFO, logger="rollout_parity.adapters.trl"):
         trl_adapter.apply(trainer, CORRECTION)
+    # one line every process prints whatever the logging setup (docs/trl.md: seeing it active on every node)
+    assert f"[rollout-parity] TRL adapter active in pid {os.getpid()} on " in capsys.readouterr().out
     for name in ("_generate", "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss"):
         assert f"patched ParityGRPOTrainer.{name}" in caplog.text
         assert trainer.__dict__[name].__wrapped__.__func__ is getattr(type(trainer), name)
+
+
+# ----------------------------------------------------------------------------- refused before anything is built
+
+
+def _config_only_model(tmp_path, **fields):
+    """A model directory with nothing but a config.json (the tiny model's, plus ``fields``): it cannot be loaded,
+    so a refusal that reads it proves the model was never built."""
+    import json
+
+    config = json.loads((Path(build_tiny_model()) / "config.json").read_text())
+    config.update(fields)
+    path = tmp_path / "config-only"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+#: Every refusal that depends only on the config: TRL fields, our flags, model config fields, the message.
+CONFIG_ONLY_REFUSALS = {
+    "trl_own_is_mode": ({"vllm_importance_sampling_mode": "token_mask"},
+                        {"rollout_importance_sampling_mode": "token_truncate"}, {},
+                        "vllm_importance_sampling_mode='token_mask' configures TRL's own importance sampling"),
+    "trl_own_clip": ({"vllm_importance_sampling_clip_max": 5.0}, {"rollout_rejection": ["seq_sum_k3"],
+                                                                   "rollout_rejection_threshold": ["0.01"]}, {},
+                     "vllm_importance_sampling_clip_max=5.0"),
+    "off_policy_mask_threshold": ({"off_policy_mask_threshold": 0.5}, {"off_policy_sequence_mask_delta": 0.1}, {},
+                                  "off_policy_mask_threshold=0.5 and off_policy_sequence_mask_delta=0.1"),
+    "vespo_sequence_mode": ({"loss_type": "vespo", "vllm_importance_sampling_mode": "token_truncate"},
+                            {"rollout_importance_sampling_mode": "sequence_truncate"}, {},
+                            "rollout_importance_sampling_mode='sequence_truncate' with loss_type='vespo'"),
+    "sampler_penalty": ({"repetition_penalty": 1.1}, {"rollout_importance_sampling_mode": "token_mask"}, {},
+                        "repetition_penalty=1.1: vLLM's processed logprobs include sampler penalties"),
+    "generation_temperature": ({"generation_kwargs": {"temperature": 0.7}},
+                               {"rollout_importance_sampling_mode": "token_mask"}, {},
+                               "the sampler's temperature=0.7 but the trainer's log-probs use temperature=1.0"),
+    "scaled_head": ({"top_p": 0.9}, {"rollout_importance_sampling_mode": "token_mask"},
+                    {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    "no_vllm": ({"use_vllm": False}, {"rollout_importance_sampling_mode": "token_mask"}, {}, "use_vllm=False"),
+}
+
+
+def _refused_at_init(tmp_path, monkeypatch, case):
+    """ParityGRPOTrainer(...) for one refused config, with TRL's constructor, vLLM's LLM and the model loader
+    replaced by tripwires; returns the seconds until the refusal."""
+    import transformers
+    from trl import GRPOTrainer
+    from trl.generation import vllm_generation
+
+    trl_fields, flags, model_fields, message = CONFIG_ONLY_REFUSALS[case]
+    built = []
+
+    def tripwire(what):
+        def called(*args, **kwargs):
+            built.append(what)
+            raise AssertionError(f"{what} ran before the refusal")
+        return called
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", tripwire("GRPOTrainer.__init__"))
+    monkeypatch.setattr(vllm_generation, "LLM", tripwire("vllm.LLM"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", tripwire("from_pretrained"))
+    args = grpo_args(tmp_path, **{"use_vllm": True, "vllm_mode": "colocate", **trl_fields}, **flags)
+    model = _config_only_model(tmp_path, **model_fields)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=args, train_dataset=prompts_dataset())
+    seconds = time.monotonic() - start
+    assert built == []
+    return seconds
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ONLY_REFUSALS))
+def test_config_only_refusals_come_from_init_before_trl_builds_anything(case, tmp_path, monkeypatch):
+    """Each refusal that depends only on the config fires in ParityGRPOTrainer.__init__, before GRPOTrainer's own
+    constructor, the model loader or vLLM's LLM runs (each a tripwire here; the model directory holds only a
+    config.json). It used to come from apply(), after the model and the engine were built."""
+    assert _refused_at_init(tmp_path, monkeypatch, case) < 5.0
+
+
+def test_a_config_only_refusal_is_far_quicker_than_building_the_model_and_engine(run, tmp_path, monkeypatch):
+    """Measured: the refusal in milliseconds, the module's model and vLLM engine in tens of seconds (the issue
+    measured the old refusal at 13.4 s, when the engine had finished starting)."""
+    refused = _refused_at_init(tmp_path, monkeypatch, "sampler_penalty")
+    print(f"refusal {refused:.3f} s, model and engine {BUILD_SECONDS['model_and_engine']:.1f} s")
+    assert refused < BUILD_SECONDS["model_and_engine"] / 20
+
+
+# ----------------------------------------------------------------------------- TRL's own ratio, replaced
+
+
+def test_trls_active_ratio_replaced_by_ours_is_a_warning_naming_both(run, caplog):
+    """TRL's correction is on by default (vllm_importance_sampling_correction=True, sequence_mask at 3): our weights
+    take its place in importance_sampling_ratio. That is said at WARNING (Python's default logging shows it),
+    naming TRL's setting and ours; with diagnostics only, TRL's own ratio keeps acting and nothing is said."""
+    trainer, _ = run
+    assert trainer.args.vllm_importance_sampling_correction is True
+    trl_adapter.revert(trainer)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rollout_parity.adapters.trl"):
+            trl_adapter.apply(trainer, CORRECTION)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1, warned
+        assert "TRL's own importance sampling (vllm_importance_sampling_correction=True, " \
+               "vllm_importance_sampling_mode='sequence_mask'" in warned[0]
+        assert "is replaced in importance_sampling_ratio by rollout-parity's" in warned[0]
+        assert "rollout_importance_sampling_mode='token_truncate'" in warned[0]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rollout_parity.adapters.trl"):
+            trl_adapter.apply(trainer, CorrectionConfig(log_rollout_offpolicy_metrics=True))
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        trl_adapter.apply(trainer, CORRECTION)
+
+
+# ----------------------------------------------------------------------------- vespo through TRL's constructor
+
+
+@pytest.mark.parametrize("trl_setting", [{"vllm_importance_sampling_mode": "token_truncate"},
+                                         {"vllm_importance_sampling_correction": False}],
+                         ids=["trl_token_mode", "trl_correction_off"])
+def test_vespo_with_our_flags_through_trls_own_constructor_and_a_step(run, tmp_path, monkeypatch, trl_setting):
+    """docs/trl.md: loss_type='vespo' with a token flag works with either setting TRL's own constructor accepts
+    (a token vllm_importance_sampling_mode, or vllm_importance_sampling_correction=False); VESPO's gamma weights
+    then read our weights from importance_sampling_ratio. A real ParityGRPOTrainer and one GRPO step, on the
+    module's engine (vLLM's LLM returns it instead of building a second one)."""
+    from trl.generation import vllm_generation
+
+    module_trainer, _ = run
+    monkeypatch.setattr(vllm_generation, "LLM", lambda *a, **k: module_trainer.vllm_generation.llm)
+    args = grpo_args(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
+                     vllm_max_model_length=256, loss_type="vespo", max_steps=1, logging_steps=1,
+                     rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=UPPER,
+                     **trl_setting)
+    recorder = None
+    try:
+        with restored_distributed_env():
+            trainer = ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=reward_distinct_chars, args=args,
+                                        train_dataset=prompts_dataset())
+            assert trainer.vllm_importance_sampling_correction is True  # the channel VESPO reads
+            assert trainer.rollout_correction.rollout_importance_sampling_mode == "token_truncate"
+            recorder = Recorder(trainer)
+            trainer.train()
+        log = [h for h in trainer.state.log_history if "loss" in h][-1]
+        assert math.isfinite(log["loss"]) and "vespo/phi_seq_mean" in log and "rollout_correction/kl" in log
+        assert recorder.inputs, "TRL's loss saw no batch"
+        for inputs in recorder.inputs:
+            expected, _ = naive_channels(inputs, UPPER, k3_max=float("inf"))
+            torch.testing.assert_close(inputs["importance_sampling_ratio"], expected, atol=1e-6, rtol=0)
+    finally:
+        if recorder is not None:
+            recorder.close()
+        module_trainer._last_loaded_step = -1  # the shared engine holds this trainer's weights now: re-sync

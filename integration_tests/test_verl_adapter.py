@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -53,7 +54,10 @@ pytestmark = [pytest.mark.verl]
 
 ATOL = 1e-6
 REPO = Path(__file__).resolve().parents[1]
-OUR_LOSS_METRICS = ("policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_lower")
+#: The core's policy metrics and where a verl run logs them: ppo_kl is ours (verl's formula over the tokens the
+#: loss kept, for every loss mode); the clip fractions are verl's loss's own, computed over the mask we hand it.
+LOSS_METRICS = {"policy/ppo_kl": "policy/ppo_kl", "policy/pg_clipfrac": "actor/pg_clipfrac",
+                "policy/pg_clipfrac_lower": "actor/pg_clipfrac_lower"}
 
 
 @pytest.fixture(scope="module")
@@ -416,14 +420,92 @@ def test_verl_08s_main_ppo_sync_refuses_bypass_with_rejection_at_start(tmp_path)
     (["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
      "sequence parallelism"),
     (["actor_rollout_ref.rollout.top_k=20", "++trainer.use_v1=false"], "use_v1"),
+    # the vLLM recipe and the sampler-aware pi_old have no SGLang form: not "sampler-aware" under vLLM's kwargs
+    (["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.top_p=0.9"], "rollout.name='sglang'"),
+    (["actor_rollout_ref.rollout.name=sglang"], "needs vLLM as the rollout"),
+    (["actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"], r"rollout\.logprobs_mode='raw_logprobs' contradicts"),
 ])
 def test_what_cannot_be_expressed_fails_at_start_naming_it(overrides, flag):
     if not any(o.startswith("+rollout_parity.") for o in overrides):
         overrides = ["+rollout_parity.rollout_importance_sampling_mode=token_truncate", *overrides]
     config = compose_verl(*overrides)
+    before = OmegaConf.to_container(config)
     with pytest.raises(ValueError, match=flag):
         adapter.configure_verl(config)
     assert adapter.active_config() is None
+    assert OmegaConf.to_container(config) == before  # refused before anything was written
+
+
+def test_verls_default_prefix_caching_is_overridden_and_said_so(capsys):
+    """verl's own default (rollout.enable_prefix_caching=True) is not the recipe's: turned off, printed (not
+    only at INFO, which verl's logging setup hides); set on the command line it is refused (next test)."""
+    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate")
+    assert config.actor_rollout_ref.rollout.enable_prefix_caching is True
+    try:
+        adapter.configure_verl(config)
+    finally:
+        adapter.set_active_config(None)
+    assert config.actor_rollout_ref.rollout.enable_prefix_caching is False
+    out = capsys.readouterr().out
+    assert "[rollout-parity] verl settings overridden: " in out
+    assert "actor_rollout_ref.rollout.enable_prefix_caching: True -> False" in out
+
+
+def test_a_real_main_ppo_command_line_refuses_prefix_caching_set_on_it(tmp_path):
+    """``actor_rollout_ref.rollout.enable_prefix_caching=true`` on the command line is the user's choice, the
+    same setting as ``engine_kwargs.vllm.enable_prefix_caching=true``: refused alike, before Ray starts."""
+    proc = _real_command_line(tmp_path, "verl.trainer.main_ppo", "+rollout_parity.preset=tis_srs_k3",
+                              "actor_rollout_ref.rollout.enable_prefix_caching=true")
+    assert proc.returncode != 0
+    assert "actor_rollout_ref.rollout.enable_prefix_caching=True contradicts the parity recipe" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "ray init kwargs" not in proc.stdout
+
+
+def _job(monkeypatch, env_vars):
+    """This process as the driver of a ``ray job submit`` whose runtime env has ``env_vars``."""
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"env_vars": env_vars}}))
+    for key, value in env_vars.items():  # Ray sets the job's variables in the driver's environment too
+        monkeypatch.setenv(key, value)
+
+
+def test_a_submitted_job_carrying_verl_use_external_modules_keeps_it(monkeypatch):
+    """``ray job submit --runtime-env-json '{"env_vars": {"VERL_USE_EXTERNAL_MODULES": ...}}'`` (verl 0.8's only
+    way to load the adapter in a submitted driver): the adapter leaves the key to the job, as verl does with its
+    own defaults, and Ray's own merge of the job's env with verl's ``ray.init`` env succeeds (it refused the
+    duplicate key before: "Failed to merge the Job's runtime env")."""
+    from ray.runtime_env.runtime_env import _merge_runtime_env
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    job_env = {"VERL_USE_EXTERNAL_MODULES": f"my_platform,{adapter.MODULE}", "MY_SETTING": "1"}
+    _job(monkeypatch, job_env)
+    config = compose_verl("+rollout_parity.preset=tis_srs_k3")
+    try:
+        adapter.configure_verl(config)
+    finally:
+        adapter.set_active_config(None)
+    env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert "VERL_USE_EXTERNAL_MODULES" not in env_vars
+    assert CorrectionConfig.from_dict(json.loads(env_vars[adapter.ENV_CONFIG])) == CorrectionConfig.preset("tis_srs_k3")
+    # what verl's run_ppo hands ray.init, then what ray.init does with it inside a submitted job
+    driver_env = OmegaConf.to_container(OmegaConf.merge(get_ppo_ray_runtime_env(config),
+                                                        config.ray_kwargs.ray_init.runtime_env))
+    merged = _merge_runtime_env({"env_vars": job_env}, driver_env)
+    assert merged is not None, "Ray would refuse the job"
+    assert merged["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == job_env["VERL_USE_EXTERNAL_MODULES"]
+    assert merged["env_vars"][adapter.ENV_CONFIG] == env_vars[adapter.ENV_CONFIG]
+
+
+def test_a_submitted_job_whose_modules_lack_the_adapter_is_refused_naming_the_fix(monkeypatch):
+    _job(monkeypatch, {"VERL_USE_EXTERNAL_MODULES": "my_platform"})
+    config = compose_verl("+rollout_parity.preset=tis_srs_k3")
+    with pytest.raises(ValueError, match=r"VERL_USE_EXTERNAL_MODULES='my_platform' without rollout_parity\.adapters"
+                                         r"\.verl.*--runtime-env-json .*my_platform,rollout_parity\.adapters\.verl"):
+        adapter.configure_verl(config)
+    assert adapter.active_config() is None
+    _job(monkeypatch, {adapter.ENV_CONFIG: "{}"})
+    with pytest.raises(ValueError, match=f"sets {adapter.ENV_CONFIG}"):
+        adapter.configure_verl(compose_verl("+rollout_parity.preset=tis_srs_k3"))
 
 
 @pytest.mark.parametrize("loss_mode", ["gspo", "cispo", "geo_mean"])
@@ -490,8 +572,9 @@ def test_shared_batch_decoupled_matches_the_core(name, actor_config, flags):
     torch.testing.assert_close(loss.detach(), ref["loss"], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(current.grad, ref["grad"], atol=ATOL, rtol=ATOL)
     assert loss.item() == pytest.approx(load_expected()[name]["loss"], abs=ATOL)
-    metrics = {**driver_metrics, **{k: v for k, v in loss_metrics.items() if not k.startswith("actor/")}}
-    expected = {k: v for k, v in ref["metrics"].items() if k not in NOT_IN_VERL_DECOUPLED}
+    metrics = {**driver_metrics, **{k: v for k, v in loss_metrics.items()
+                                    if not k.startswith("actor/") or k in LOSS_METRICS.values()}}
+    expected = {LOSS_METRICS.get(k, k): v for k, v in ref["metrics"].items() if k not in NOT_IN_VERL_DECOUPLED}
     expected["policy/nonfinite_frac"] = 0.0  # the loss's own inputs (pi_old, pi_theta) are finite here
     if not cfg.wants_metrics:
         expected = {k: v for k, v in expected.items() if not k.startswith("rollout_correction/")}
@@ -505,8 +588,8 @@ def test_shared_batch_decoupled_matches_the_core(name, actor_config, flags):
     assert set(metrics) == set(expected)
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, abs=ATOL, rel=ATOL), key
-    # verl's own vanilla metrics are still there, next to ours
-    assert {"actor/pg_clipfrac", "actor/ppo_kl"} <= set(loss_metrics)
+    # verl's own vanilla ppo_kl is there too, and ours means the same
+    assert loss_metrics["actor/ppo_kl"] == pytest.approx(metrics["policy/ppo_kl"], abs=ATOL)
 
 
 def test_shared_batch_off_policy_mask_in_decoupled_verl_uses_pi_old_as_behaviour(actor_config, flags):
@@ -576,8 +659,8 @@ def test_shared_batch_bypass_matches_the_core(name, actor_config, flags):
     torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(current.grad, current_ref.grad, atol=ATOL, rtol=ATOL)
     metrics = {**driver_metrics, **loss_metrics}
-    for key in OUR_LOSS_METRICS:
-        assert metrics[key] == pytest.approx(ref_metrics[key], abs=ATOL), key
+    for key, logged in LOSS_METRICS.items():
+        assert metrics[logged] == pytest.approx(ref_metrics[key], abs=ATOL), key
     if cfg.rollout_rejection is not None:
         # C(r_ppo) = -(pi_theta/pi_rollout - 1) A is logged by the loss over the tokens it sees (after
         # rejection), finite ones summed, all counted: naive reference instead of the core's pre-rejection one
@@ -707,26 +790,57 @@ def test_rejected_sequences_leave_verls_grpo_baselines(flags):
     assert not torch.allclose(theirs.batch["advantages"], expected, atol=1e-3)
 
 
-def test_a_rejected_reward_token_leaves_the_score(flags):
-    """Token-level rejection of the final (reward) token: the outcome reward is masked like the token."""
+def test_a_rejected_reward_token_keeps_the_rows_score(flags):
+    """Token-level rejection of a row's final (reward) token: the row keeps its other tokens, and its outcome
+    reward with them (moved to its last kept token); its siblings' baselines see its real score.
+
+    Reference: GRPO written out over every row's real score (no row is fully rejected here). Before the fix
+    the hook masked the reward with the token, so a correct answer trained on with score 0."""
     import numpy as np
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
     flags(CorrectionConfig(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02))
     old, rollout, mask, rewards, uid = grpo_batch(1)
+    rewards[0, 0] = 0.25  # and a process reward on a kept token stays where it is
     rollout = old.clone()
     last = mask.sum(-1).long() - 1
     rollout[0, last[0]] += 1.0  # only row 0's reward token is off
     proto = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
-                                         "token_level_rewards": rewards}, non_tensors={"uid": np.array(uid, dtype=object)})
+                                         "token_level_rewards": rewards.clone()},
+                                non_tensors={"uid": np.array(uid, dtype=object)})
     out, _ = helper.compute_rollout_correction_and_add_to_batch(proto, {"rollout_is": None, "rollout_rs": None})
     new_mask = out.batch["response_mask"]
     assert new_mask[0, last[0]] == 0 and new_mask.sum() == mask.sum() - 1
-    out = compute_advantage(out, adv_estimator="grpo", num_repeat=4)
-    scores = rewards.sum(-1)
-    scores[0] = 0.0  # its reward token was rejected
-    expected = naive_grpo(scores, new_mask, uid, torch.ones(len(uid), dtype=torch.bool))
-    torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
+    moved = out.batch["token_level_rewards"]
+    assert moved[0, last[0] - 1] == rewards[0, last[0]] and moved[0, last[0]] == 0 and moved[0, 0] == 0.25
+    torch.testing.assert_close(moved[1:], rewards[1:])  # the other rows are untouched
+    torch.testing.assert_close(moved.sum(-1), rewards.sum(-1))
+    grpo = compute_advantage(out, adv_estimator="grpo", num_repeat=4)
+    expected = naive_grpo(rewards.sum(-1), new_mask, uid, torch.ones(len(uid), dtype=torch.bool))
+    torch.testing.assert_close(grpo.batch["advantages"], expected, atol=1e-5, rtol=1e-5)
+    lost = rewards.sum(-1)
+    lost[0] = 0.25  # what masking the reward with its token made of row 0's score
+    leaky = naive_grpo(lost, new_mask, uid, torch.ones(len(uid), dtype=torch.bool))
+    assert (leaky[:4] - expected[:4]).abs().max() > 0.1  # the whole group's advantages would move
+
+
+def test_gae_keeps_the_reward_of_a_rejected_last_token(flags):
+    """verl's GAE skips masked positions (their reward is dropped): the moved reward reaches the returns."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    flags(CorrectionConfig(rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02))
+    old, _, mask, rewards, _ = grpo_batch(1)
+    rollout = old.clone()
+    last = mask.sum(-1).long() - 1
+    rollout[torch.arange(len(last)), last] += 1.0  # every row's reward token is off
+    proto = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                         "token_level_rewards": rewards.clone()})
+    out, _ = helper.compute_rollout_correction_and_add_to_batch(proto, {"rollout_is": None, "rollout_rs": None})
+    values = torch.zeros_like(mask)
+    _, returns = compute_gae_advantage_return(out.batch["token_level_rewards"], values, out.batch["response_mask"],
+                                              gamma=torch.tensor(1.0), lam=torch.tensor(1.0))
+    # gamma = lam = 1, zero values: every kept token's return is the row's whole reward
+    torch.testing.assert_close(returns[:, 0], rewards.sum(-1))
 
 
 def test_bypass_under_top_p_puts_pi_rollout_on_the_trainers_support(flags):
@@ -866,6 +980,62 @@ def test_missing_verl_is_an_import_error_naming_the_extra():
             "try:\n    import rollout_parity.adapters.verl\nexcept ImportError as e:\n    print('MSG', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install rollout-parity[verl]" in proc.stdout, proc.stderr[-2000:]
+
+
+def _import_verl_with_a_broken_adapter(argv, **env):
+    """``import verl`` in a fresh process whose adapter cannot import (a room missing), the adapter reached only
+    through verl's ``verl.plugins`` entry point, as on verl 0.9 without ``VERL_USE_EXTERNAL_MODULES``."""
+    assert "rollout_parity" in {ep.name for ep in importlib.metadata.entry_points(group="verl.plugins")}
+    code = ("import sys\n"
+            "sys.modules['rollout_parity.adapters.verl.compat'] = None  # the room cannot be imported\n"
+            f"sys.argv = {['main_ppo', *argv]!r}\n"
+            "import verl\n"
+            "print('VERL_IMPORTED', 'rollout_parity.adapters.verl.patches' in sys.modules)\n")
+    clean = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", adapter.ENV_CONFIG)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**clean, "PYTHONPATH": str(REPO), **env})
+
+
+def test_a_driver_whose_plugin_import_fails_stops_naming_the_fix():
+    """verl logs a failed ``verl.plugins`` import at DEBUG only, so ``+rollout_parity.*`` overrides would be ignored:
+    a driver whose command line sets them stops at ``import verl``, naming the cause and the fix."""
+    proc = _import_verl_with_a_broken_adapter(["+rollout_parity.preset=tis_srs_k3", "trainer.nnodes=1"])
+    assert proc.returncode == 1 and "VERL_IMPORTED" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    err = proc.stderr
+    assert "[rollout-parity] ERROR: rollout-parity's verl adapter (rollout_parity.adapters.verl) failed to import" in err
+    assert "rollout_parity.adapters.verl.compat" in err  # the cause
+    assert "+rollout_parity.preset=tis_srs_k3" in err and "trains uncorrected" in err
+    assert "pip install 'rollout-parity[verl]'" in err and "on every node" in err
+
+
+def test_a_ray_process_of_a_configured_job_whose_plugin_import_fails_stops_too():
+    """A worker on a node where the adapter cannot import, in a job that carries the flags (its env): the same."""
+    proc = _import_verl_with_a_broken_adapter([], **{adapter.ENV_CONFIG: json.dumps(CorrectionConfig().to_dict())})
+    assert proc.returncode == 1 and "VERL_IMPORTED" not in proc.stdout
+    assert f"configured with rollout-parity's flags ({adapter.ENV_CONFIG} is set)" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_without_the_flags_a_failed_plugin_import_is_a_warning_and_verl_goes_on():
+    proc = _import_verl_with_a_broken_adapter(["trainer.nnodes=1"])
+    assert proc.returncode == 0 and "VERL_IMPORTED False" in proc.stdout, proc.stderr[-3000:]
+    assert "rollout-parity's verl adapter (rollout_parity.adapters.verl) failed to import" in proc.stderr
+    assert "verl runs without it" in proc.stderr and "pip install 'rollout-parity[verl]'" in proc.stderr
+
+
+def test_a_process_on_a_node_without_the_package_fails_at_import_verl(tmp_path):
+    """Every Ray process of a configured job imports the adapter through ``VERL_USE_EXTERNAL_MODULES`` (which the
+    adapter hands to the job): where rollout-parity is not installed, verl's own import of that variable fails
+    uncaught, naming the package, instead of the process running without the correction."""
+    missing = tmp_path / "node_without_it" / "rollout_parity"
+    missing.mkdir(parents=True)  # shadows every installed copy, as if the package were absent
+    (missing / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'rollout_parity'\", name='rollout_parity')\n")
+    env = {**os.environ, "PYTHONPATH": str(missing.parent), "VERL_USE_EXTERNAL_MODULES": adapter.MODULE,
+           adapter.ENV_CONFIG: json.dumps(CorrectionConfig.preset("tis_srs_k3").to_dict())}
+    proc = subprocess.run([sys.executable, "-c", "import verl; print('VERL_IMPORTED')"], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0 and "VERL_IMPORTED" not in proc.stdout
+    assert "ModuleNotFoundError: No module named 'rollout_parity'" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_the_example_command_line_passes_verls_validation():

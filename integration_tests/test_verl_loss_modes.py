@@ -78,7 +78,7 @@ def test_every_verl_loss_runs_on_our_weights_and_mask(loss_mode, name, actor_con
     assert grad[seen].abs().max() > 0, "the loss trained nothing"
     if cfg.rollout_rejection is not None:
         assert mask.sum() < batch.response_mask.sum(), "this configuration should reject on the shared batch"
-    assert {"policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_lower"} <= set(metrics)
+    assert "policy/ppo_kl" in metrics and "policy/pg_clipfrac" not in metrics  # clip fractions: the loss's own
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
 
     # the wrapper adds nothing to the loss: verl's own function on the same (narrowed) mask
@@ -118,3 +118,62 @@ def test_weights_reach_every_loss_as_verls_own_correction_would_hand_them(loss_m
 def test_every_loss_mode_is_covered():
     """verl's registry, not a list of ours: a loss added upstream is tested without editing this file."""
     assert {"vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"} <= set(LOSS_MODES)
+
+
+def _naive_clip_fractions(mode, old, cur, adv, kept, low, high, c=3.0):
+    """verl's clip fractions written out: the token ratio (vanilla, with dual clip) or gspo's sequence ratio."""
+    log_r = cur - old
+    if mode == "gspo":
+        seq = (log_r * kept).sum(-1) / kept.sum(-1).clamp_min(1)
+        ratio = seq.clamp(max=10.0).exp()[:, None].expand_as(log_r)
+    else:
+        ratio = log_r.clamp(-20.0, 20.0).exp()
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)
+    frac = (clipped > unclipped)[kept].float().mean().item()
+    lower = 0.0 if mode == "gspo" else ((torch.maximum(unclipped, clipped) > -adv * c) & (adv < 0))[kept].float().mean().item()
+    return frac, lower
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "gspo"])
+def test_policy_metrics_through_verls_ppo_loss_mean_what_verls_mean(mode, flags):
+    """verl's own ``ppo_loss`` on a micro-batch after rejection, with clip_ratio_low=0.05 != clip_ratio_high=0.3.
+
+    ``policy/ppo_kl`` is verl's ``actor/ppo_kl``: the mean of -log r over the tokens the loss kept, not a sum over
+    them divided by the rollout's token count (what it was: half of verl's value when half was rejected). The clip
+    fractions are the loss's own (gspo: its sequence ratio), with the asymmetric range; no token-level copy of ours
+    stands beside them. Naive references for each.
+    """
+    from verl.workers.utils.losses import ppo_loss
+
+    from .support.verl_dp_metrics import _micro_batch
+
+    flags(config_for("tis_srs_k3"))
+    batch = make_shared_batch()
+    mask, weights = driver(batch, batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
+    kept = mask.bool()
+    assert 0 < kept.sum() < batch.response_mask.sum()  # rejection removed tokens: the two normalisers differ
+    config = verl_actor_config(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
+                               "actor_rollout_ref.actor.clip_ratio_low=0.05", "actor_rollout_ref.actor.clip_ratio_high=0.3")
+    current = batch.fresh_current()
+    advantages = batch.advantages[:, None] * batch.response_mask
+    B = mask.shape[0]
+    info = {"batch_num_tokens": int(batch.response_mask.sum()), "global_batch_size": B}
+    data, output = _micro_batch(batch, mask, weights, advantages, list(range(B)), current, 1, info)
+    _, metrics = ppo_loss(config, output, data)
+    logged = {k: float(v.aggregate()) for k, v in metrics.items()}
+
+    old, cur = batch.old_logprobs, batch.current_logprobs.detach()
+    assert torch.isfinite(old[kept]).all() and torch.isfinite(cur[kept]).all()
+    log_r = (cur - old).clamp(-20.0, 20.0)
+    ppo_kl = (-log_r)[kept].mean().item()
+    assert logged["policy/ppo_kl"] == pytest.approx(ppo_kl, abs=1e-6)
+    assert logged["policy/ppo_kl"] == pytest.approx(logged["actor/ppo_kl"], abs=1e-6)
+    before_fix = (-log_r)[kept].sum().item() / info["batch_num_tokens"]
+    assert abs(before_fix - ppo_kl) > 0.05 * abs(ppo_kl)
+
+    frac, lower = _naive_clip_fractions(mode, old, cur, advantages, kept, low=0.05, high=0.3)
+    assert logged["actor/pg_clipfrac"] == pytest.approx(frac, abs=1e-6)
+    assert logged["actor/pg_clipfrac_lower"] == pytest.approx(lower, abs=1e-6)
+    symmetric, _ = _naive_clip_fractions(mode, old, cur, advantages, kept, low=0.2, high=0.2)
+    assert abs(symmetric - frac) > 1e-3, "the batch does not tell the asymmetric range from the default one"
+    assert not {"policy/pg_clipfrac", "policy/pg_clipfrac_lower"} & set(logged)

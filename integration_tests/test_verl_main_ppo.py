@@ -55,8 +55,7 @@ def finished(runs, name):
 OUR_DRIVER_METRICS = ("kl", "k3_kl", "training_log_ppl", "rollout_log_ppl", "log_ppl_abs_diff", "chi2_token", "ess",
                       "delta_abs_mean", "delta_abs_max", "rejected_token_frac", "rejected_seq_frac", "nonfinite_frac",
                       "sampler_log_kept_mass", "sampler_outside_kept_frac")
-OUR_LOSS_METRICS = ("actor/policy/pg_clipfrac", "actor/policy/ppo_kl", "actor/policy/pg_clipfrac_lower",
-                    "actor/policy/nonfinite_frac", "actor/rollout_correction/loss_contrib_pos",
+OUR_LOSS_METRICS = ("actor/policy/ppo_kl", "actor/policy/nonfinite_frac", "actor/rollout_correction/loss_contrib_pos",
                     "actor/rollout_correction/loss_contrib_neg")
 
 
@@ -69,6 +68,17 @@ def test_main_ppo_trains_two_steps_and_logs_our_metrics(runs, name):
             assert key in data, (step, key)
             assert math.isfinite(data[key]), (step, key, data[key])
     assert "[rollout-parity] verl configured" in run.output
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_our_ppo_kl_is_verls_over_the_tokens_the_loss_kept(runs, name):
+    """verl's own loss (gspo, vanilla) logs actor/ppo_kl over the mask we hand it; ours is the same number, at
+    every step (it was a sum over the kept tokens divided by the rollout's token count: 1.668 vs 3.336)."""
+    run = finished(runs, name)
+    for step in (1, 2):
+        data = run.metrics(step)
+        assert data["actor/policy/ppo_kl"] == pytest.approx(data["actor/ppo_kl"], abs=1e-5, rel=1e-4), step
+        assert "actor/policy/pg_clipfrac" not in data  # the clip fractions are the loss's own actor/pg_clipfrac
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))

@@ -31,9 +31,8 @@ SUPPORT = "integration_tests.support.verl_cpu"
 OBSERVER = "integration_tests.support.verl_cpu.advantage_log"
 ADAPTER = "rollout_parity.adapters.verl"
 
-#: The overrides a CPU-only machine needs on top of a GPU command line (issue 11's list).
-CPU_OVERRIDES = (
-    "trainer.device=cpu",
+#: The overrides that start verl's own local Ray (none when the run joins a running cluster).
+LOCAL_RAY_OVERRIDES = (
     # [3] one fictitious GPU for verl's placement groups (shim 3 in verl_cpu); bind to loopback
     "+ray_kwargs.ray_init.num_gpus=1",
     "+ray_kwargs.ray_init._node_ip_address=127.0.0.1",
@@ -41,6 +40,11 @@ CPU_OVERRIDES = (
     # Ray's logical CPUs, not threads: TransferQueue's actors and verl's pools each reserve one,
     # and with Ray's default (the 2 cores) the run waits forever for a free CPU slot.
     "ray_kwargs.ray_init.num_cpus=16",
+)
+#: The overrides a CPU-only machine needs on top of a GPU command line (issue 11's list).
+CPU_OVERRIDES = (
+    "trainer.device=cpu",
+    *LOCAL_RAY_OVERRIDES,
     "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     # [7] vLLM refuses its sleep mode on CPU
     "+actor_rollout_ref.rollout.enable_sleep_mode=false",
@@ -129,22 +133,14 @@ class MainPPORun:
         return self.output[-chars:]
 
 
-def run_main_ppo(overrides: Sequence[str], workdir: Path, *, timeout: float = 900,
-                 extra_env: Optional[dict] = None) -> MainPPORun:
-    """Run ``python -m verl.trainer.main_ppo <overrides>`` as a user would, plus the CPU shims."""
+def machine_env(ray_tmp: str) -> dict:
+    """The environment every Ray process of a CPU run needs, whoever starts Ray (the shims' platform, loopback)."""
     from .verl_cpu import ENV
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    log_path = workdir / "metrics.jsonl"
-    ray_tmp = tempfile.mkdtemp(prefix="rp-ray-")
     env = dict(os.environ)
     env.update(ENV)
     env.update({
-        # the CPU shims first, then the adapter (also found through its verl.plugins entry point)
-        "VERL_USE_EXTERNAL_MODULES": f"{SUPPORT},{OBSERVER},{ADAPTER}",
-        "ROLLOUT_PARITY_TEST_ADVANTAGE_LOG": str(workdir / "advantages.jsonl"),
         "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "VERL_FILE_LOGGER_PATH": str(log_path),
         "HYDRA_FULL_ERROR": "1",
         "RAY_DEDUP_LOGS": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -160,6 +156,29 @@ def run_main_ppo(overrides: Sequence[str], workdir: Path, *, timeout: float = 90
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
     })
+    return env
+
+
+def run_env(workdir: Path) -> dict:
+    """What one run writes where: verl's file logger and the advantage observer."""
+    return {"ROLLOUT_PARITY_TEST_ADVANTAGE_LOG": str(workdir / "advantages.jsonl"),
+            "VERL_FILE_LOGGER_PATH": str(workdir / "metrics.jsonl")}
+
+
+def read_run(workdir: Path) -> tuple[list[dict], list[dict]]:
+    """The file logger's per-step records and the advantage observer's records of one run."""
+    return _jsonl(workdir / "metrics.jsonl"), _jsonl(workdir / "advantages.jsonl")
+
+
+def run_main_ppo(overrides: Sequence[str], workdir: Path, *, timeout: float = 900,
+                 extra_env: Optional[dict] = None) -> MainPPORun:
+    """Run ``python -m verl.trainer.main_ppo <overrides>`` as a user would, plus the CPU shims."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ray_tmp = tempfile.mkdtemp(prefix="rp-ray-")
+    env = machine_env(ray_tmp)
+    env.update(run_env(workdir))
+    # the CPU shims first, then the adapter (also found through its verl.plugins entry point)
+    env["VERL_USE_EXTERNAL_MODULES"] = f"{SUPPORT},{OBSERVER},{ADAPTER}"
     env.update(extra_env or {})
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *CPU_OVERRIDES, *overrides,
                f"hydra.run.dir={workdir / 'hydra'}"]
@@ -179,8 +198,7 @@ def run_main_ppo(overrides: Sequence[str], workdir: Path, *, timeout: float = 90
             end_session(proc.pid)  # Ray's daemons of this run only, never anyone else's
             shutil.rmtree(ray_tmp, ignore_errors=True)
     seconds = time.monotonic() - start
-    steps = _jsonl(log_path)
-    advantages = _jsonl(workdir / "advantages.jsonl")
+    steps, advantages = read_run(workdir)
     return MainPPORun(command=command, returncode=returncode, output=out_path.read_text(errors="replace"), steps=steps,
                       advantages=advantages, seconds=seconds)
 

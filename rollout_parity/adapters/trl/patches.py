@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import socket
 from typing import Any, Mapping, Optional
 
 from trl import GRPOTrainer
@@ -111,10 +113,12 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
         if needs_rollout_logprobs(cfg):
             if not trainer.vllm_importance_sampling_correction:  # the channel, and TRL's pi_old recomputation
                 _set_flag(trainer, state, "vllm_importance_sampling_correction", True)
-            elif state.hands_weights(trainer):
-                logger.warning("rollout-parity: TRL's own importance_sampling_ratio (vllm_importance_sampling_"
-                               "correction=True, mode %r) is replaced by rollout-parity's weights (%s)",
-                               trainer.vllm_importance_sampling_mode, describe_flags(cfg))
+            elif state.hands_weights(trainer):  # TRL's default: say so where Python's logging shows it
+                own = ", ".join(f"{k}={getattr(trainer, k)!r}" for k in TRL_RATIO_FIELDS)
+                logger.warning("rollout-parity: TRL's own importance sampling (vllm_importance_sampling_correction="
+                               "True, %s) is replaced in importance_sampling_ratio by rollout-parity's (%s); TRL's "
+                               "sampling/importance_sampling_ratio/* metrics now describe ours", own,
+                               describe_flags(cfg))
             if cfg.off_policy_sequence_mask_delta is not None:
                 _set_flag(trainer, state, "off_policy_mask_threshold", cfg.off_policy_sequence_mask_delta)
             behaviours = {"_generate": checked_generate, "_generate_and_score_completions": corrected_generation,
@@ -127,7 +131,19 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
     except BaseException:
         revert(trainer)
         raise
+    if needs_rollout_logprobs(cfg):  # one visible line per process (every rank, every node)
+        print(f"[rollout-parity] TRL adapter active in pid {os.getpid()} on {socket.gethostname()} ({_rank()}): "
+              f"{describe_flags(cfg)}", flush=True)
     return trainer
+
+
+def _rank() -> str:
+    """This process's data-parallel rank, from torch.distributed (accelerate's state may have been reset since)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return f"rank {dist.get_rank()} of {dist.get_world_size()}"
+    return f"rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')}"
 
 
 def _set_flag(trainer: Any, state: _State, name: str, value: Any) -> None:

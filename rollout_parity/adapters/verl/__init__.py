@@ -5,7 +5,8 @@ or ``+rollout_parity.preset=tis_srs_k3``); verl's own policy loss, whatever ``lo
 runs unchanged and reads our weights and mask through ``rollout_is_weights`` and ``response_mask``.
 verl >= 0.9 imports this package in every process through its ``verl.plugins`` entry point; verl
 0.8 needs ``VERL_USE_EXTERNAL_MODULES=rollout_parity.adapters.verl``. Importing it applies the
-patches (:func:`apply`; :func:`revert` undoes them).
+patches (:func:`apply`; :func:`revert` undoes them); a failed import is loud (``flags.loud_import_failure``),
+and every Ray process that carries the flags prints one ``verl adapter active`` line.
 
 The rooms, in the order a run meets them:
 
@@ -29,15 +30,17 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without verl installed
     raise ImportError("rollout_parity.adapters.verl needs verl: pip install rollout-parity[verl]") from exc
 
-from rollout_parity.adapters.verl.compat import REQUIRED_VERL_NAMES, TESTED_VERL
-from rollout_parity.adapters.verl.config import check_no_double_correction, configure_verl, \
-    correction_config_from_verl, sampler_from_verl
-from rollout_parity.adapters.verl.driver import PROCESSED_FIELD, driver_correction
 from rollout_parity.adapters.verl.flags import CONFIG_KEY, ENV_CONFIG, ENV_SAMPLER, MODULE, active_config, \
-    active_sampler, set_active_config
-from rollout_parity.adapters.verl.loss import with_rollout_parity
-from rollout_parity.adapters.verl.patches import patcher
-from rollout_parity.core.sampler import SamplerSettings
+    active_sampler, announce, loud_import_failure, set_active_config
+
+with loud_import_failure():  # verl's plugin loader logs a failure only at DEBUG
+    from rollout_parity.adapters.verl.compat import REQUIRED_VERL_NAMES, TESTED_VERL
+    from rollout_parity.adapters.verl.config import check_no_double_correction, configure_verl, \
+        correction_config_from_verl, sampler_from_verl
+    from rollout_parity.adapters.verl.driver import PROCESSED_FIELD, driver_correction
+    from rollout_parity.adapters.verl.loss import with_rollout_parity
+    from rollout_parity.adapters.verl.patches import patcher
+    from rollout_parity.core.sampler import SamplerSettings
 
 __all__ = [
     "TESTED_VERL", "REQUIRED_VERL_NAMES", "PROCESSED_FIELD", "CONFIG_KEY", "ENV_CONFIG", "ENV_SAMPLER", "MODULE",
@@ -70,4 +73,6 @@ def is_applied() -> bool:
     return patcher.is_applied()
 
 
-apply()
+with loud_import_failure():
+    apply()
+announce()

@@ -9,6 +9,7 @@ every refusal.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Optional
@@ -23,6 +24,7 @@ from rollout_parity.adapters.verl.flags import CONFIG_KEY, ENV_CONFIG, ENV_MODUL
     carried_env, check_ray_carries, set_active_config, with_module
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
+from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
 __all__ = ["select", "correction_config_from_verl", "check_no_double_correction", "sampler_from_verl",
            "configure_verl"]
@@ -119,6 +121,15 @@ def _refuse_outside_fsdp_head_pass(config: Any, what: str) -> None:
 def _refuse(config: Any, cfg: CorrectionConfig, sampler: SamplerSettings, sampler_aware: bool) -> None:
     """What the flags cannot mean in this verl run, by name, before anything is written."""
     check_no_double_correction(config, cfg)
+    _refuse_recipe_contradictions(config, cfg)
+    engine = select(config, "actor_rollout_ref.rollout.name")
+    if engine is not None and engine != "vllm":
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name={engine!r}: rollout-parity's verl adapter needs vLLM as the rollout. "
+            "The parity recipe it writes is vLLM's (engine_kwargs.vllm: logprobs_mode=processed_logprobs, prefix "
+            "caching and async scheduling off, the fp32 head), and the sampler-aware pi_old reproduces vLLM's "
+            f"processed logprobs; no {engine} equivalent is written or tested. Set actor_rollout_ref.rollout.name=vllm, "
+            f"or drop the +{CONFIG_KEY}.* overrides (verl's own algorithm.rollout_correction works with {engine})")
     rollout = select(config, "actor_rollout_ref.rollout", {})
     refuse_unmatched_sampler(cfg, sampler, penalties=active_penalties(lambda k: select(rollout, k)),
                              modifiers=head_modifiers(_model_config(config)) if sampler_aware else {})
@@ -153,9 +164,48 @@ def _node(config: DictConfig, *keys: str) -> DictConfig:
     return config
 
 
-def _merge_vllm_recipe(config: DictConfig, cfg: CorrectionConfig) -> None:
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+def _refuse_recipe_contradictions(config: Any, cfg: CorrectionConfig) -> None:
+    """A vLLM setting the user chose against the parity recipe, by name (nothing is written yet).
 
+    ``engine_kwargs.vllm`` is refused whenever it contradicts. verl's own rollout fields feed the same
+    engine: ``logprobs_mode`` (verl's default is the recipe's) is refused whenever it differs;
+    ``enable_prefix_caching`` (verl's default, True, is not the recipe's) when it was set on the
+    command line, otherwise overwritten and printed.
+    """
+    recipe = vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head)
+    prefix = "actor_rollout_ref.rollout."
+    given = select(config, prefix + "engine_kwargs.vllm", {}) or {}
+    given = OmegaConf.to_container(given, resolve=True) if isinstance(given, DictConfig) else dict(given)
+    for key, value in recipe.items():
+        current = given.get(key)
+        pairs = [(f"{key}.{k}", (current or {}).get(k), v) for k, v in value.items()] if isinstance(value, dict) \
+            else [(key, current, value)]
+        for name, mine, theirs in pairs:
+            if mine is not None and mine != theirs:
+                raise ValueError(f"{prefix}engine_kwargs.vllm.{name}={mine!r} contradicts the parity recipe "
+                                 f"({name.rsplit('.', 1)[-1]}={theirs!r})")
+    explicit = _command_line_keys()
+    for key in ("enable_prefix_caching", "logprobs_mode"):
+        current = select(config, prefix + key)
+        if key in recipe and current is not None and current != recipe[key] \
+                and (key == "logprobs_mode" or prefix + key in explicit):
+            raise ValueError(f"{prefix}{key}={current!r} contradicts the parity recipe ({key}={recipe[key]!r}), "
+                             f"the same setting as engine_kwargs.vllm.{key}: drop the override, or the "
+                             f"+{CONFIG_KEY}.* overrides")
+
+
+def _command_line_keys() -> set[str]:
+    """The config keys the user set on the Hydra command line (empty outside ``hydra.main``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    except Exception:  # noqa: BLE001 - no Hydra run: nothing was set on a command line
+        return set()
+    return {str(o).split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def _merge_vllm_recipe(config: DictConfig, cfg: CorrectionConfig) -> None:
     recipe = vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head)
     rollout = config.actor_rollout_ref.rollout
     vllm_kwargs = _node(rollout, "engine_kwargs", "vllm")
@@ -163,24 +213,46 @@ def _merge_vllm_recipe(config: DictConfig, cfg: CorrectionConfig) -> None:
         current = vllm_kwargs.get(key, None)
         if isinstance(value, dict):
             merged = dict(OmegaConf.to_container(current, resolve=True)) if current is not None else {}
-            for k, v in value.items():
-                if k in merged and merged[k] != v:
-                    raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}.{k}={merged[k]!r} "
-                                     f"contradicts the parity recipe ({k}={v!r})")
-                merged[k] = v
-            vllm_kwargs[key] = merged
+            vllm_kwargs[key] = {**merged, **value}
         else:
-            if current is not None and current != value:
-                raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}={current!r} contradicts the "
-                                 f"parity recipe ({key}={value!r})")
             vllm_kwargs[key] = value
-    # verl also passes these two from its own rollout fields; keep both views equal.
-    for key in ("enable_prefix_caching", "logprobs_mode"):
+    for key in ("enable_prefix_caching", "logprobs_mode"):  # verl passes these from its own fields too
         if key in recipe and key in rollout:
             rollout[key] = recipe[key]
 
 
+def _job_env_vars() -> dict[str, str]:
+    """The ``env_vars`` of the Ray job this driver runs in (``ray job submit``); empty otherwise."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    try:
+        return dict(((json.loads(raw) or {}).get("runtime_env") or {}).get("env_vars") or {}) if raw else {}
+    except (ValueError, AttributeError):
+        return {}
+
+
+def _refuse_job_env(carried: dict[str, Optional[str]]) -> None:
+    """What a submitted job's own environment says against the transport, by name.
+
+    Ray refuses a key set both by the job and by the driver's ``ray.init`` ("Failed to merge the
+    Job's runtime env"), so a key the job carries is left to the job (verl drops its own defaults the
+    same way). That works only where the job's value is the one the run needs.
+    """
+    job = _job_env_vars()
+    for key, value in carried.items():
+        if key in job and job[key] != value:
+            raise ValueError(f"the Ray job's runtime env sets {key}, which rollout-parity writes from the "
+                             f"+{CONFIG_KEY}.* overrides: drop it from the job's env_vars")
+    modules = job.get(ENV_MODULES)
+    if modules is not None and MODULE not in modules.split(","):
+        raise ValueError(
+            f"the Ray job's runtime env sets {ENV_MODULES}={modules!r} without {MODULE}: every Ray process of the "
+            "job reads that value (the driver cannot add to it: Ray refuses a key set twice), so processes on "
+            "every node would miss the adapter. Submit the job with "
+            f"--runtime-env-json '{{\"env_vars\": {{\"{ENV_MODULES}\": \"{with_module(modules)}\"}}}}'")
+
+
 def _write(config: DictConfig, cfg: CorrectionConfig, carried: dict[str, Optional[str]], verl_bypass: bool) -> None:
+    job = _job_env_vars()
     with open_dict(config):
         _merge_vllm_recipe(config, cfg)
         config.actor_rollout_ref.rollout.calculate_log_probs = True
@@ -195,13 +267,16 @@ def _write(config: DictConfig, cfg: CorrectionConfig, carried: dict[str, Optiona
         config.algorithm.rollout_correction.bypass_mode = verl_bypass
         env_vars = _node(config, "ray_kwargs", "ray_init", "runtime_env", "env_vars")
         for key, value in carried.items():
-            if value is None:
+            if value is None or key in job:  # a key the job carries (with this value) is the job's to pass
                 env_vars.pop(key, None)
             else:
                 env_vars[key] = value
         # verl < 0.9 has no verl.plugins entry points: every Ray process (on every node) imports the
-        # adapter at ``import verl`` only through this variable.
-        env_vars[ENV_MODULES] = with_module(env_vars.get(ENV_MODULES, os.environ.get(ENV_MODULES, "")))
+        # adapter at ``import verl`` only through this variable (the job's own, when it sets one).
+        if ENV_MODULES in job:
+            env_vars.pop(ENV_MODULES, None)
+        else:
+            env_vars[ENV_MODULES] = with_module(env_vars.get(ENV_MODULES, os.environ.get(ENV_MODULES, "")))
         config[CONFIG_KEY] = cfg.to_dict()
 
 
@@ -224,6 +299,7 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
     # verl's own bypass skips the pi_old pass; rejection and a truncating sampler need it (docs/verl.md).
     verl_bypass = cfg.old_logprob_source == "bypass" and cfg.rollout_rejection is None and not sampler_aware
     carried = carried_env(cfg, sampler if sampler_aware else None)
+    _refuse_job_env(carried)
     check_ray_carries(carried)
     before = OmegaConf.to_container(config, resolve=False)
     _write(config, cfg, carried, verl_bypass)
@@ -237,18 +313,22 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
     print(f"[rollout-parity] verl configured: loss_mode={loss_mode} (unchanged), flags={carried[ENV_CONFIG]}"
           + (f", sampler-aware pi_old for top_k={sampler.top_k} top_p={sampler.top_p}" if sampler_aware else ""),
           flush=True)
-    for line in changes:
-        logger.info("rollout-parity: %s", line)
+    overridden = [f"{k}: {a!r} -> {b!r}" for k, a, b in changes
+                  if a is not None and not k.startswith((CONFIG_KEY, "ray_kwargs."))]
+    if overridden:  # a value verl (or the user's YAML) chose, replaced for the recipe: say so where it shows
+        print(f"[rollout-parity] verl settings overridden: {'; '.join(overridden)}", flush=True)
+    for key, old, new in changes:
+        logger.info("rollout-parity: %s: %r -> %r", key, old, new)
     if cfg.off_policy_sequence_mask_delta is not None and cfg.old_logprob_source == "recompute":
         logger.warning("off_policy_sequence_mask_delta in verl decoupled mode: the loss does not see rollout "
                        "logprobs, so the behaviour policy of the off-policy mask is pi_old (DESIGN.md fallback)")
     return cfg
 
 
-def _changed_keys(before: Any, after: Any, prefix: str = "") -> list[str]:
+def _changed_keys(before: Any, after: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     if isinstance(before, dict) and isinstance(after, dict):
         out = []
         for key in sorted(set(before) | set(after), key=str):
             out += _changed_keys(before.get(key), after.get(key), f"{prefix}{key}.")
         return out
-    return [] if before == after else [f"{prefix.rstrip('.')}: {before!r} -> {after!r}"]
+    return [] if before == after else [(prefix.rstrip("."), before, after)]

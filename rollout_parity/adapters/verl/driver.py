@@ -131,20 +131,30 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
 
 
 def _keep_rejected_out_of_baselines(batch: Any, before: torch.Tensor, after: torch.Tensor) -> None:
-    """Make verl's outcome estimators ignore what rejection removed (verl#6362, verl#6452).
+    """Make verl's outcome estimators see what rejection kept, and only that (verl#6362, verl#6452).
 
-    verl's GRPO/RLOO sum ``token_level_rewards`` without the mask and group rows by ``uid``, so
-    a masked reward token, or a fully rejected sibling, still moves the baseline of the accepted
-    responses. Rewards are masked with the corrected mask, and a fully rejected row gets a uid
-    of its own (it trains nothing: its mask is all zero).
+    verl's GRPO/RLOO sum ``token_level_rewards`` without the mask and group rows by ``uid``; GAE
+    drops a reward sitting on a masked position. A row that keeps some tokens keeps its whole
+    reward: what sat on its rejected tokens (the outcome reward sits on the last one) moves to its
+    last kept token, so ``token_level_rewards.sum(-1)`` is the row's score as before. A fully
+    rejected row trains nothing (its mask is all zero): its rewards are zeroed and it gets a uid of
+    its own, so it leaves its siblings' baselines.
     """
     tensors = batch.batch
+    kept_rows = after.bool().any(dim=-1)
     if "token_level_rewards" in tensors.keys():
         rewards = tensors["token_level_rewards"]
-        tensors["token_level_rewards"] = rewards * after.to(rewards.dtype)
+        rejected = (before.bool() & ~after.bool()).to(rewards.dtype)
+        moved = (rewards * rejected).sum(dim=-1)
+        positions = torch.arange(after.shape[-1], device=after.device).expand_as(after)
+        last_kept = torch.where(after.bool(), positions, torch.full_like(positions, -1)).max(dim=-1).values
+        new = rewards * (1 - rejected)
+        rows = kept_rows.nonzero(as_tuple=True)[0]
+        new[rows, last_kept[rows]] += moved[rows]
+        tensors["token_level_rewards"] = torch.where(kept_rows.unsqueeze(-1), new, torch.zeros_like(new))
     uids = getattr(batch, "non_tensor_batch", {}).get("uid")
     if uids is not None:
-        dropped = (before.bool().any(dim=-1) & ~after.bool().any(dim=-1)).tolist()
+        dropped = (before.bool().any(dim=-1) & ~kept_rows).tolist()
         if any(dropped):
             uids = uids.copy()
             for i, gone in enumerate(dropped):

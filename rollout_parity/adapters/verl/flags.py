@@ -9,16 +9,24 @@ docs/verl.md, "How the flags travel".
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
+import socket
 import sys
-from typing import Any, Callable, Optional
+import traceback
+from typing import Any, Callable, Iterator, Optional
 
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
 
 __all__ = ["CONFIG_KEY", "ENV_CONFIG", "ENV_SAMPLER", "ENV_MODULES", "MODULE", "carried_env", "set_active_config",
-           "active_config", "active_sampler", "require_config", "with_module", "check_ray_carries"]
+           "active_config", "active_sampler", "require_config", "with_module", "check_ray_carries",
+           "loud_import_failure", "announce"]
+
+logger = logging.getLogger(__name__)
 
 CONFIG_KEY = "rollout_parity"  # the block of verl's config: +rollout_parity.<flag>=...
 ENV_CONFIG = "ROLLOUT_PARITY_VERL_CONFIG"
@@ -97,3 +105,64 @@ def check_ray_carries(carried: dict[str, Optional[str]]) -> None:
             "main_ppo/run_ppo start Ray, or start it with "
             "ray.init(runtime_env=OmegaConf.to_container(config.ray_kwargs.ray_init.runtime_env)) after "
             "rollout_parity.adapters.verl.configure_verl(config)")
+
+
+def _requested_here() -> Optional[str]:
+    """Why this process must run with the adapter: its Ray job carries the flags, or its command line sets them."""
+    if os.environ.get(ENV_CONFIG):
+        return f"it is a process of a Ray job configured with rollout-parity's flags ({ENV_CONFIG} is set)"
+    overrides = [a for a in sys.argv[1:] if re.match(rf"^[+~]*{CONFIG_KEY}[.=]", a)]
+    if overrides:
+        return f"its command line sets {', '.join(overrides)}"
+    return None
+
+
+def _where() -> str:
+    node = ""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            node = f", Ray node {ray.get_runtime_context().get_node_id()}"
+    except Exception:  # noqa: BLE001 - the node id is a courtesy
+        pass
+    return f"pid {os.getpid()} on {socket.gethostname()}{node}"
+
+
+@contextlib.contextmanager
+def loud_import_failure() -> Iterator[None]:
+    """Make a failed import of the adapter loud, wherever verl imports it.
+
+    verl >= 0.9 imports ``verl.plugins`` entry points at ``import verl`` and logs a failure only at
+    DEBUG: the ``+rollout_parity.*`` overrides would then be ignored and the run train uncorrected.
+    Where this process is asked to run with the flags, the failure ends it (``SystemExit``, which
+    verl's ``except Exception`` does not swallow) naming the cause and the fix; elsewhere it is a
+    warning, and the import error goes on to verl.
+    """
+    try:
+        yield
+    except Exception as exc:
+        what = (f"rollout-parity's verl adapter ({MODULE}) failed to import in {_where()}: "
+                f"{type(exc).__name__}: {exc}")
+        fix = ("Fix the cause above in this Python environment, on every node of the Ray cluster: "
+               "pip install 'rollout-parity[verl]' beside the verl it supports (docs/verl.md)")
+        reason = _requested_here()
+        if reason is None:
+            logger.warning("%s. verl runs without it (no +%s.* overrides here). %s", what, CONFIG_KEY, fix)
+            raise
+        traceback.print_exc()
+        raise SystemExit(f"[rollout-parity] ERROR: {what}. This process must run with it: {reason}; without it "
+                         f"verl ignores the flags and trains uncorrected. {fix}") from exc
+
+
+def announce() -> None:
+    """One line from every process that carries the flags: the adapter is applied here (pid, host, Ray node).
+
+    The driver prints ``verl configured`` instead; Ray forwards each worker's line to the job's log,
+    so the lines ``verl adapter active`` in that log list the processes of every node.
+    """
+    cfg = active_config()
+    if cfg is None:
+        return
+    from rollout_parity.adapters._refusals import describe_flags
+
+    print(f"[rollout-parity] verl adapter active in {_where()}: {describe_flags(cfg)}", flush=True)

@@ -18,11 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from rollout_parity.adapters._patching import is_ours, mark
-from rollout_parity.adapters.verl.config import select
 from rollout_parity.adapters.verl.flags import active_config
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
-from rollout_parity.core.loss import policy_loss
 from rollout_parity.core.ratios import check_shapes
 
 __all__ = ["with_rollout_parity", "policy_loss_fn", "ppo_loss_with_global_metrics"]
@@ -74,9 +72,9 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
 
     The wrapped loss runs unchanged on pi_old and pi_theta made finite, ``response_mask`` narrowed
     by the off-policy sequence mask (and by non-finite pi_theta), and verl's ``rollout_is_weights``
-    (our driver's weights) as given. Adds the policy-side metrics (``policy/pg_clipfrac``,
-    ``policy/ppo_kl``, ``policy/pg_clipfrac_lower``, ``rollout_correction/loss_contrib_pos/neg``,
-    ``off_policy_masked_frac``, ``policy/nonfinite_frac``) as micro-batch means.
+    (our driver's weights) as given. Adds the policy-side metrics (``policy/ppo_kl``,
+    ``rollout_correction/loss_contrib_pos/neg``, ``off_policy_masked_frac``, ``policy/nonfinite_frac``)
+    as micro-batch means.
     """
     if is_ours(loss_fn):
         return loss_fn  # already ours
@@ -109,8 +107,7 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
             # 0 by 0. DESIGN.md's neutral result instead: a zero loss that still backpropagates.
             loss = cur.sum() * 0.0
             metrics = {k: 0.0 if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        sums = _policy_metric_sums(cfg, old, cur, advantages, mask, side_mask, nonfinite, side, config,
-                                   bypass_in_loss)
+        sums = _policy_metric_sums(old, cur, mask, side_mask, nonfinite, side, bypass_in_loss)
         _loss_sums.set(sums)
         metrics.update({name: value / max(n, 1.0) for name, (value, n, _) in sums.items()})
         return loss, metrics
@@ -118,13 +115,20 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
     return mark(policy_loss_with_rollout_parity)
 
 
-def _policy_metric_sums(cfg, old, cur, advantages, mask, side_mask, nonfinite_valid, side, config,
+def _policy_metric_sums(old, cur, mask, side_mask, nonfinite_valid, side,
                         bypass_in_loss) -> dict[str, tuple[float, float, str]]:
     """The loss-side metrics as ``{name: (local sum, local count, kind)}``.
 
     ``kind`` names verl's global normaliser a sum is divided by: ``token`` or ``seq``; ``mean``
-    entries (count 1) are micro-batch means of nonlinear diagnostics (bypass in the loss only).
-    ``mask`` is what the loss trained on; ``side_mask`` what the core's diagnostics read.
+    entries (count 1) stay micro-batch means, which verl averages over micro-batches and ranks as
+    it averages its own ``actor/ppo_kl``. ``mask`` is what the loss trained on; ``side_mask`` what
+    the core's diagnostics read.
+
+    ``policy/ppo_kl`` is verl's ``actor/ppo_kl`` (``masked_mean(-log r, mask)``, log r = log pi_theta -
+    log pi_old clamped to +-20) over the tokens the loss kept, for every loss mode. The clip
+    fractions are the loss's own (``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``): each verl loss
+    computes them over the mask handed to it, with its own ratio (gspo's sequence ratio) and the
+    clip range it reads from verl's config; a token-level copy next to them would say something else.
     """
     def count(m, seq=False):
         m = m.to(torch.float32)
@@ -132,12 +136,9 @@ def _policy_metric_sums(cfg, old, cur, advantages, mask, side_mask, nonfinite_va
 
     n_kept, n_side = count(mask), count(side_mask)
     with torch.no_grad():
-        _, pm = policy_loss(CorrectionConfig(), current_logprobs=cur.detach(), old_logprobs=old,
-                            advantages=advantages, response_mask=mask, clip_ratio=float(select(config, "clip_ratio", 0.2)),
-                            clip_ratio_low=select(config, "clip_ratio_low"),
-                            clip_ratio_high=select(config, "clip_ratio_high"),
-                            clip_ratio_c=float(select(config, "clip_ratio_c", 3.0)))
-    sums = {k: (v * n_kept, n_kept, "token") for k, v in pm.items()}  # token means over the trained tokens
+        log_ratio = (cur.detach().to(torch.float32) - old.to(torch.float32)).clamp(-20.0, 20.0)
+        kl_sum = float((-log_ratio * mask.to(torch.float32)).sum())
+    sums = {"policy/ppo_kl": (kl_sum / max(n_kept, 1.0), 1.0, "mean")}
     n_valid = count(side_mask.bool() | nonfinite_valid)  # every valid token, trainable or not
     sums["policy/nonfinite_frac"] = (float(nonfinite_valid.sum()), n_valid, "token")
     if side is not None:
