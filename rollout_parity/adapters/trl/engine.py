@@ -3,7 +3,7 @@
 :func:`parity_vllm_engine` wraps the ``LLM`` global of ``trl.generation.vllm_generation`` while TRL
 builds its colocated engine (``vllm_parity_kwargs`` merged over TRL's kwargs, each change logged);
 :func:`server_command` prints the ``trl vllm-serve`` line of the recipe; :func:`check_engine` reads
-the engine's resolved settings at ``apply`` and refuses raw logprobs. docs/trl.md, "The engine".
+the engine's resolved settings at ``apply`` and refuses raw logprobs. docs/trl.md, "Parity in TRL's vLLM".
 """
 
 from __future__ import annotations

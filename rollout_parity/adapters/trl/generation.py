@@ -6,7 +6,7 @@ window. After it, our weights go into ``importance_sampling_ratio``, rejected to
 loss-only ``tool_mask`` and ``num_items_in_batch`` (never ``completion_mask``, the attention mask),
 and under bypass pi_rollout into ``old_per_token_logps``. With a truncating sampler a hook on TRL's
 pi_old forward measures log S from its hidden states (chunked fp32 head), so r_corr compares
-processed with processed. docs/trl.md, "What reaches TRL's loss".
+processed with processed. docs/trl.md, "How it meets TRL's loss".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`refuse` reads TRL's own field names from either the ``GRPOConfig`` (``ParityGRPOTrainer``
 checks it before ``GRPOTrainer.__init__`` builds the model and the vLLM engine) or a built trainer
 (``apply`` on a plain ``GRPOTrainer``); the framework-independent rules are ``adapters/_refusals.py``.
-docs/trl.md, "Refused".
+docs/trl.md, "Refused, by name".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 sampler, the actor's pi_old pass (``FSDPEngineWithLMHead.forward_step`` with entropy, verl's V1
 trainer asks for it there only) also computes pi_old as vLLM's sampler sees it, from the head's
 input hidden states, one chunked fp32 pass, no (N, V) fp32 logits, into :data:`PROCESSED_FIELD`.
-docs/verl.md, "Sampler-aware ratios" and "fp32 lm_head".
+docs/verl.md, "Sampler-aware ratios" and "How it plugs in" (the fp32 lm_head).
 """
 
 from __future__ import annotations
