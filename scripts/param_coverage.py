@@ -24,7 +24,9 @@ The parameters are derived, never listed by hand:
 
 What counts as a test setting one (a static ``ast`` scan of ``tests/`` and ``integration_tests/``):
 
-* a call of the function, class or method by its name with ``name=<value>`` (also ``**{"name": v}``),
+* a call of the function, class or method by its name with ``name=<value>`` (also ``**{"name": v}``, or
+  the value in the parameter's place among the positional arguments; for ``f(**name)``, a dict literal
+  or ``dict(...)`` in the same file whose keys are all parameters of ``f``),
   and, for a dataclass, of its methods taking ``**kwargs`` (``CorrectionConfig.replace``/``preset``),
   where ``<value>`` is not a literal equal to the default (a variable or expression counts);
 * for a class with ``from_dict`` (the shared flags): a mapping key (dict literal, ``dict(...)``) or a
@@ -109,6 +111,8 @@ class Param:
     mapping: bool = False    # a mapping key sets it (class with from_dict)
     trl_cli: bool = False    # TRL's --<field> sets it
     cli_of: str = ""         # a subcommand whose options with this dest set it (CLI_OPTIONS_CLASSES)
+    position: Optional[int] = None  # its index among a call's positional arguments, if it can be given so
+    siblings: frozenset = frozenset()  # every parameter name of its owner (for ``**kwargs`` dicts)
     options: tuple = ()      # cli: its option strings; parser: its subcommand
     parser: str = ""
     store_true: bool = False
@@ -142,13 +146,17 @@ def _signature_params(fn: Any, owner: str, call_names: Iterable[str], required: 
     except (TypeError, ValueError):
         return []
     out = []
+    positional = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.name not in ("self", "cls")]
+    siblings = frozenset(p.name for p in sig.parameters.values())
     for p in sig.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in ("self", "cls"):
             continue
         if p.default is inspect.Parameter.empty:
             required.append(f"{owner} {p.name}")
             continue
-        out.append(Param(f"{owner} {p.name}", p.name, p.default, "kw", frozenset(call_names)))
+        out.append(Param(f"{owner} {p.name}", p.name, p.default, "kw", frozenset(call_names),
+                         position=positional.index(p) if p in positional else None, siblings=siblings))
     return out
 
 
@@ -158,6 +166,7 @@ def _class_params(cls: type, owner: str, names: set[str], required: list) -> lis
         forwarders = {n for n, v in vars(cls).items() if not n.startswith("_") and callable(
             getattr(v, "__func__", v)) and any(p.kind == p.VAR_KEYWORD for p in _safe_params(getattr(v, "__func__", v)))}
         mapping = hasattr(cls, "from_dict")
+        all_fields = [f for f in dataclasses.fields(cls) if f.init]
         for f in _own_fields(cls):
             default = _default(f)
             if default is _MISSING:
@@ -165,7 +174,9 @@ def _class_params(cls: type, owner: str, names: set[str], required: list) -> lis
                 continue
             cli_of = next((sub for sub, name in CLI_OPTIONS_CLASSES.items() if name == cls.__name__), "")
             out.append(Param(f"{owner} {f.name}", f.name, default, "field", frozenset(names | forwarders),
-                             mapping=mapping, trl_cli=cls.__name__ in TRL_CLI_CLASSES, cli_of=cli_of))
+                             mapping=mapping, trl_cli=cls.__name__ in TRL_CLI_CLASSES, cli_of=cli_of,
+                             position=all_fields.index(f) if f in all_fields and not f.kw_only else None,
+                             siblings=frozenset(x.name for x in all_fields)))
     elif "__init__" in vars(cls) and _ours(cls):
         out += _signature_params(cls.__init__, owner, names, required)
     for name, value in vars(cls).items():
@@ -325,6 +336,8 @@ class Scan(ast.NodeVisitor):
     def __init__(self, path: Path, tree: ast.Module):
         self.rel = str(path.relative_to(ROOT))
         self.keywords: dict[tuple[str, str], list[Evidence]] = defaultdict(list)
+        self.dicts: list[dict[str, Evidence]] = []  # every dict literal / dict(...) with string keys
+        self.splatted: set[str] = set()  # callees called with ``**name`` (a dict built elsewhere)
         self.mapping: dict[str, list[Evidence]] = defaultdict(list)
         self.verl: dict[str, list[Evidence]] = defaultdict(list)
         self.cli: list[tuple[str, Evidence, frozenset]] = []  # (option, evidence, subcommands of the context)
@@ -390,23 +403,31 @@ class Scan(ast.NodeVisitor):
         if callee == "partial" and args:  # functools.partial(f, name=value)
             callee, args = self._callee(args[0]), args[1:]
         if callee is not None:
+            for i, arg in enumerate(args):
+                if isinstance(arg, ast.Starred):
+                    break
+                self.keywords[(callee, f"#{i}")].append(Evidence(self._where(arg), arg))
             for kw in node.keywords:
                 if kw.arg is not None:
                     self.keywords[(callee, kw.arg)].append(Evidence(self._where(kw.value), kw.value))
+                elif not isinstance(kw.value, (ast.Dict, ast.Call)):
+                    self.splatted.add(callee)
                 elif isinstance(kw.value, ast.Dict):
                     for k, v in zip(kw.value.keys, kw.value.values):
                         if isinstance(k, ast.Constant) and isinstance(k.value, str):
                             self.keywords[(callee, k.value)].append(Evidence(self._where(v), v))
-        if callee == "dict":
+        if callee == "dict" and node.keywords and all(kw.arg is not None for kw in node.keywords):
             for kw in node.keywords:
-                if kw.arg is not None:
-                    self.mapping[kw.arg].append(Evidence(self._where(kw.value), kw.value))
+                self.mapping[kw.arg].append(Evidence(self._where(kw.value), kw.value))
+            self.dicts.append({kw.arg: Evidence(self._where(kw.value), kw.value) for kw in node.keywords})
         in_assert, self.in_assert = self.in_assert, False  # what a call is given is an input, even in an assert
         self._sequence(node.args)
         self.generic_visit(node)
         self.in_assert = in_assert
 
     def visit_Dict(self, node: ast.Dict) -> None:
+        if node.keys and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+            self.dicts.append({k.value: Evidence(self._where(v), v) for k, v in zip(node.keys, node.values)})
         for k, v in zip(node.keys, node.values) if not self.in_assert else ():
             if isinstance(k, ast.Constant) and isinstance(k.value, str):
                 self.mapping[k.value].append(Evidence(self._where(v), v))
@@ -507,6 +528,10 @@ def attribute(params: list[Param], scans: list[Scan]) -> None:
             if p.kind in ("kw", "field"):
                 for callee in p.call_names:
                     found += scan.keywords.get((callee, p.name), [])
+                    if p.position is not None:
+                        found += scan.keywords.get((callee, f"#{p.position}"), [])
+                    if callee in scan.splatted:  # f(**settings): the file's dicts made of f's parameters
+                        found += [d[p.name] for d in scan.dicts if p.name in d and set(d) <= p.siblings]
                 if p.mapping:
                     found += scan.mapping.get(p.name, [])
                 if p.trl_cli:
