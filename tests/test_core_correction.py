@@ -317,3 +317,50 @@ def test_the_naive_reference_imports_nothing_from_the_package():
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert modules <= {"__future__", "math", "dataclasses"}, modules
+
+
+# (loss_agg_mode, an option of policy_loss): each option is set where it acts, and the loss differs from
+# the one without it by more than the tolerance, so dropping it fails the comparison with the reference.
+LOSS_OPTIONS = [
+    ("seq-mean-token-sum-norm", dict(loss_scale_factor=3.0)),
+    ("token-mean", dict(global_num_tokens=97.0)),
+    ("seq-mean-token-mean", dict(global_num_seqs=11.0)),
+    ("seq-mean-token-sum", dict(global_num_seqs=11.0)),
+    ("seq-mean-token-sum-norm", dict(global_num_seqs=11.0)),
+]
+NAIVE_NAMES = {"loss_scale_factor": "scale_factor", "global_num_tokens": "num_tokens", "global_num_seqs": "num_seqs"}
+
+
+@pytest.mark.parametrize("agg,options", LOSS_OPTIONS)
+def test_policy_loss_denominators_match_naive(agg, options):
+    """``loss_scale_factor`` (seq-mean-token-sum-norm's T) and the global counts of data-parallel
+    normalisation, each against the reference with that denominator, loss and gradient."""
+    flags = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.3,
+                 rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02)
+    cfg = CorrectionConfig(**flags)
+    old, rollout, current, mask, adv = make_batch(seed=31, spread=0.2)
+    current = current.clone().requires_grad_()
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out,
+                          loss_agg_mode=agg, **options)
+    loss.backward()
+    ref = naive_correction(flags, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
+    args = (current.tolist(), old.tolist(), adv.tolist(), ref.weights, ref.keep, 0.2, 0.2)
+    want, grad, _ = naive_ppo(*args, agg=agg, **{NAIVE_NAMES[k]: v for k, v in options.items()})
+    plain, _, _ = naive_ppo(*args, agg=agg)
+    assert abs(want - plain) > 0.1 * abs(plain) > 0  # the option changes the loss here
+    assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-8)
+    torch.testing.assert_close(current.grad, torch.tensor(grad), rtol=1e-5, atol=1e-8)
+
+
+def test_policy_loss_without_metrics_returns_the_same_loss_and_no_metrics():
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", log_rollout_offpolicy_metrics=True)
+    old, rollout, current, mask, adv = make_batch(seed=32)
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    loss, metrics = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
+    quiet, none = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out,
+                              with_metrics=False)
+    assert none == {} and "policy/pg_clipfrac" in metrics and "rollout_correction/kl" in metrics
+    assert torch.equal(quiet, loss)
