@@ -97,7 +97,7 @@ NEMO_CASES = {
     "tis_floor_dual_clip": dict(use_importance_sampling_correction=True,
                                 truncated_importance_sampling_type="tis",
                                 truncated_importance_sampling_ratio=1.2,
-                                truncated_importance_sampling_ratio_min=0.9, ratio_clip_c=3.0),
+                                truncated_importance_sampling_ratio_min=0.9, ratio_clip_c=3.0, ratio_clip_min=0.1),
     "icepop": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
                    truncated_importance_sampling_ratio=1.1, truncated_importance_sampling_ratio_min=0.9),
     "seq_mask_tis": dict(use_importance_sampling_correction=True,
@@ -403,6 +403,8 @@ def test_recipe_routing():
                                              "logprobs_mode": "processed_logprobs"}
     assert gen["generation"]["vllm_kwargs"] == {"async_scheduling": False}
     assert gen["hf_config_overrides"] == {"head_dtype": "float32"}
+    cached = nemo_rl_generation_config(prefix_cache_policy="reset")["policy"]  # kept on, reset per update
+    assert cached["generation"]["vllm_cfg"]["enable_prefix_caching"] is True and "hf_config_overrides" not in cached
     with pytest.raises(ValueError, match="vllm_cfg"):
         check_nemo_rl_vllm_kwargs({"logprobs_mode": "processed_logprobs"})
 

@@ -29,8 +29,9 @@ What counts as a test setting one (a static ``ast`` scan of ``tests/`` and ``int
   or ``dict(...)`` in the same file whose keys are all parameters of ``f``),
   and, for a dataclass, of its methods taking ``**kwargs`` (``CorrectionConfig.replace``/``preset``),
   where ``<value>`` is not a literal equal to the default (a variable or expression counts);
-* for a class with ``from_dict`` (the shared flags): a mapping key (dict literal, ``dict(...)``) or a
-  YAML key in a test string, with a non-default value;
+* for a class built from a mapping too (a ``from_*`` classmethod: ``CorrectionConfig.from_dict``,
+  ``RolloutParityLossFn.from_nemo_config``): a mapping key (dict literal, ``dict(...)``) or a YAML key
+  in a test string, with a non-default value;
 * for the verl block: a Hydra override ``rollout_parity.<flag>=<value>`` in a string, or the key in a
   dict literal held under ``"rollout_parity"``;
 * for a command line: the option string (``--top-k``) with a non-default value after it, in a list or a
@@ -93,6 +94,20 @@ ALLOWED: dict[str, str] = {
     "cli launch -h/--help": "argparse's generated help",
     "cli doctor -h/--help": "argparse's generated help",
     "cli check -h/--help": "argparse's generated help",
+    # with_rollout_parity never reads ``name`` (loss.py's metric comprehension rebinds the name); it
+    # only keys _wrapped_loss's cache, whose result does not depend on it.
+    "adapters.verl.loss.with_rollout_parity name": "unused by the wrapper (a cache key of its caller)",
+}
+
+#: Parameters whose tests wait for an open issue that replaces them; printed as PENDING with the issue
+#: (not a failure). Drop an entry when its issue lands: the listing then demands a test or its removal.
+PENDING: dict[str, str] = {
+    # Issue 23 rewrites RolloutParityLossFn as a wrapper of NeMo RL's own ClippedPGLossFn. Today both are
+    # set by from_nemo_config from NeMo RL's truncated-IS keys, and test_nemo_rl_adapter's side-by-side
+    # test (finite and non-finite logprobs) compares that path with NeMo RL's own loss.
+    "adapters.nemo_rl.RolloutParityLossFn nonfinite": "issue 23 (NeMo RL adapter rewrite)",
+    "adapters.nemo_rl.RolloutParityLossFn nemo_truncation": "issue 23 (NeMo RL adapter rewrite)",
+    "adapters.nemo_rl.RolloutParityLossFn.from_nemo_config metrics": "issue 23 (NeMo RL adapter rewrite)",
 }
 
 _MISSING = object()
@@ -165,7 +180,7 @@ def _class_params(cls: type, owner: str, names: set[str], required: list) -> lis
     if dataclasses.is_dataclass(cls):
         forwarders = {n for n, v in vars(cls).items() if not n.startswith("_") and callable(
             getattr(v, "__func__", v)) and any(p.kind == p.VAR_KEYWORD for p in _safe_params(getattr(v, "__func__", v)))}
-        mapping = hasattr(cls, "from_dict")
+        mapping = _from_mapping(cls)
         all_fields = [f for f in dataclasses.fields(cls) if f.init]
         for f in _own_fields(cls):
             default = _default(f)
@@ -178,7 +193,9 @@ def _class_params(cls: type, owner: str, names: set[str], required: list) -> lis
                              position=all_fields.index(f) if f in all_fields and not f.kw_only else None,
                              siblings=frozenset(x.name for x in all_fields)))
     elif "__init__" in vars(cls) and _ours(cls):
-        out += _signature_params(cls.__init__, owner, names, required)
+        for p in _signature_params(cls.__init__, owner, names, required):
+            p.mapping = _from_mapping(cls)
+            out.append(p)
     for name, value in vars(cls).items():
         if name.startswith("_") and name != "__call__":
             continue
@@ -187,6 +204,11 @@ def _class_params(cls: type, owner: str, names: set[str], required: list) -> lis
             continue
         out += _signature_params(fn, f"{owner}.{name}", {name}, required)
     return out
+
+
+def _from_mapping(cls: type) -> bool:
+    """Built from a mapping of its parameters too (``CorrectionConfig.from_dict``, ``from_nemo_config``)."""
+    return any(name.startswith("from_") and isinstance(value, classmethod) for name, value in vars(cls).items())
 
 
 def _safe_params(fn: Any) -> list[inspect.Parameter]:
@@ -566,8 +588,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     covered = [p for p in params if p.found]
     allowed = [p for p in params if not p.found and p.key in ALLOWED]
-    missing = [p for p in params if not p.found and p.key not in ALLOWED]
-    stale = sorted(set(ALLOWED) - {p.key for p in params})
+    pending = [p for p in params if not p.found and p.key in PENDING]
+    missing = [p for p in params if not p.found and p.key not in ALLOWED and p.key not in PENDING]
+    stale = sorted((set(ALLOWED) | set(PENDING)) - {p.key for p in params if not p.found})
     if not args.missing:
         for p in params:
             if p.found:
@@ -576,17 +599,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"ok       {p.key}  <- {', '.join(shown if args.all_tests else shown[:3])}{more}")
             elif p.key in ALLOWED:
                 print(f"allowed  {p.key}  ({ALLOWED[p.key]})")
+            elif p.key in PENDING:
+                print(f"PENDING  {p.key}  (no test yet: {PENDING[p.key]})")
         for qual, why in records.items():
             print(f"record   {qual}  ({why}; fields are results)")
     for p in missing:
         print(f"MISSING  {p.key}  (default {p.default!r}): no test sets it to another value")
     for key in stale:
-        print(f"STALE    ALLOWED names {key!r}, which is not a parameter any more")
+        print(f"STALE    ALLOWED/PENDING names {key!r}, which is not an untested parameter (any more): drop it")
     for e in errors:
         print(f"ERROR    {e}")
     print(f"\n{len(params)} public parameters with a default ({len(covered)} set by a test, {len(allowed)} allowed "
-          f"without one, {len(missing)} missing); {len(required)} required parameters (set by every call); "
-          f"{len(records)} result records")
+          f"without one, {len(pending)} pending an open issue, {len(missing)} missing); {len(required)} required "
+          f"parameters (set by every call); {len(records)} result records")
     if missing or errors or stale:
         print("FAIL: add a test that sets each MISSING parameter to a non-default value and asserts an outcome "
               "that changes with it (or, if it truly cannot change an outcome, add it to ALLOWED with why)")

@@ -145,6 +145,8 @@ def parse_rejection(options: Sequence[str], thresholds: Any) -> tuple[RejectionR
 
 
 def _number_or_text(text: str) -> Any:
+    if "_" in text:  # a K1 range such as '0.5_2' (float() would read it as 0.52: digit grouping)
+        return text
     try:
         return float(text)
     except ValueError:
