@@ -350,6 +350,17 @@ def sets_non_default(ev: Evidence, param: Param) -> bool:
     return value is _MISSING or not _same(value, param.default)
 
 
+def _is_option(text: str) -> bool:
+    """``--flag`` or ``-m``, not a negative number (``-1`` is a value)."""
+    if not text.startswith("-"):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return True
+    return False
+
+
 class Scan(ast.NodeVisitor):
     """Collects, per test file, keyword arguments by callee, mapping keys, Hydra overrides and CLI options."""
 
@@ -479,7 +490,7 @@ class Scan(ast.NodeVisitor):
                 value: Any = inline
             elif i + 1 < len(items) and isinstance(items[i + 1], ast.Constant):
                 nxt = items[i + 1].value
-                value = _MISSING if isinstance(nxt, str) and nxt.startswith("-") else str(nxt)
+                value = _MISSING if isinstance(nxt, str) and _is_option(nxt) else str(nxt)
             elif i + 1 < len(items):
                 value = items[i + 1]  # an expression: counts as set
             else:
@@ -497,7 +508,7 @@ class Scan(ast.NodeVisitor):
         for i, tok in enumerate(tokens):
             if tok.startswith("--") and len(tok) > 2:
                 option, _, inline = tok.partition("=")
-                value = inline or (tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("-")
+                value = inline or (tokens[i + 1] if i + 1 < len(tokens) and not _is_option(tokens[i + 1])
                                    else _MISSING)
                 self.cli.append((option, Evidence(self._where(node), value), words or self.function_context))
         if "\n" in text and ":" in text:
