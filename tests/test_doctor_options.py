@@ -243,3 +243,31 @@ def test_check_options_reach_the_probe_and_the_nemo_checks(monkeypatch):
     run_check(CheckOptions(frameworks=("vllm",), progress=False))
     assert (calls["vllm"]["model"], calls["vllm"]["max_delta"], calls["vllm"]["gpu_memory_utilization"]) == (
         None, vllm_probe.MAX_DELTA, 0.3)
+
+
+def test_every_row_takes_its_own_path(model_path, stand_in_engines):
+    """All nine rows (the default): each row's engine settings, trainer head and trainer view are its
+    own. The stand-in engines return the same rollouts for every configuration, so rows differ only
+    by what the doctor does on the trainer's side; the engine side is in the report's kwargs."""
+    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+
+    report = run_doctor(DoctorOptions(model=model_path, progress=False, steps=2, num_prompts=1, samples=2,
+                                      max_tokens=4, sentences=2))
+    rows = {r["row"]: r for r in report["rows"]}
+    assert list(rows) == list(doctor.DEFAULT_ROWS)
+    kwargs = {name: r["engine_kwargs"] for name, r in rows.items()}
+    assert kwargs["a"] == {} and kwargs["b"] == {"logprobs_mode": "processed_logprobs"}
+    assert kwargs["c"] == vllm_parity_kwargs(fp32_lm_head=False)
+    assert kwargs["d"] == kwargs["d/vllm-only"] == kwargs["s/full-vocab"] == vllm_parity_kwargs(fp32_lm_head=True)
+    assert kwargs["d/reset"] == kwargs["d/salt"] == vllm_parity_kwargs(fp32_lm_head=True, prefix_cache_policy="reset")
+    assert {n: r["prefix_cache_policy"] for n, r in rows.items() if n.startswith("d/")} == {
+        "d/vllm-only": "off", "d/reset": "reset", "d/salt": "salt"}
+    assert [n for n, r in rows.items() if r["trainer_head"] == "fp32"] == ["d", "s/full-vocab", "s/sampler",
+                                                                         "d/reset", "d/salt"]
+    # the same rollouts scored by a bf16 head (d/vllm-only) or over the full vocabulary (s/full-vocab)
+    assert rows["d/vllm-only"]["delta_abs_mean"] != rows["d"]["delta_abs_mean"]
+    assert rows["a"]["delta_abs_mean"] == rows["b"]["delta_abs_mean"] == rows["c"]["delta_abs_mean"]
+    assert rows["s/full-vocab"]["delta_abs_mean"] != rows["s/sampler"]["delta_abs_mean"]
+    assert "mean_log_kept_mass" in rows["s/full-vocab"] and "mean_log_kept_mass" not in rows["s/sampler"]
+    assert report["rejection_threshold_scan"] and [s["rows"] for s in report["recommendation"]["steps"]] == [
+        "a -> b", "b -> c", "c -> d", "s/full-vocab -> s/sampler"]
