@@ -207,6 +207,27 @@ def test_plain_is_with_a_minus_inf_engine_logprob_gives_no_huge_weight(nemo):
     assert float(shared.last_correction.weights.max()) > 1e8
 
 
+def test_local_metrics_are_each_microbatchs_own_means(nemo):
+    """``metrics="local"``: NeMo RL's token means over the microbatch's own valid tokens (not pre-divided by
+    the global count), checked against the plain mean of the microbatch's tensors."""
+    loss_fn = RolloutParityLossFn(CorrectionConfig(), metrics="local")
+    data, _ = make_data(nemo, "finite")
+    batch, gvs, gvt = global_counts(nemo, data, loss_fn)
+    checked = 0
+    for mb in batch.make_microbatch_iterator(2):
+        cur = mb["next_token_logprobs"].detach()
+        valid = (mb["token_mask"][:, 1:] * mb["sample_mask"].unsqueeze(-1)) > 0
+        if not valid.any():
+            continue
+        _, metrics = loss_fn(next_token_logprobs=cur, data=mb, global_valid_seqs=gvs, global_valid_toks=gvt)
+        prev, gen = mb["prev_logprobs"][:, 1:], mb["generation_logprobs"][:, 1:]
+        assert metrics["probs_ratio"] == pytest.approx(float((cur - prev).exp()[valid].mean()), rel=1e-5)
+        assert metrics["token_mult_prob_error"] == pytest.approx(float((gen - prev).abs().exp()[valid].mean()),
+                                                                 rel=1e-5)
+        checked += int(valid.sum()) != int(mb["sample_mask"].sum())  # token and sample counts differ here
+    assert checked >= 2
+
+
 def test_every_nemo_metric_key_is_returned(nemo):
     assert set(NEMO_METRIC_KEYS) | {"is_oob_ratio"} >= {
         k for case in NEMO_CASES.values()
