@@ -92,20 +92,58 @@ def _close(actual, expected, what):
         f"{what}: max abs diff {(actual - expected).abs().nan_to_num(0).max().item():.3g}")
 
 
-def core_loss(name, loss_type):
-    """The core's loss and gradient for TRL's ``loss_type``, with TRL's denominators."""
-    batch = make_shared_batch()
-    cfg = config_for(name)
+def core_loss(name, loss_type, cfg=None, batch=None):
+    """The core's loss and gradient for TRL's ``loss_type``, with TRL's denominators (``cfg``: instead of
+    the shared config ``name``; ``batch``: instead of the shared batch)."""
+    batch = batch or make_shared_batch()
+    cfg = config_for(name) if cfg is None else cfg
     current = batch.fresh_current()
     out = compute_correction(cfg, old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
                              response_mask=batch.response_mask, advantages=batch.advantages, current_logprobs=current)
     # TRL's off-policy mask multiplies the loss: its sequences still count in the token denominators.
     tokens = (batch.response_mask * (1 - out.rejected)).sum()
     kwargs = {"global_num_seqs": float(B)} if loss_type == "grpo" else {"global_num_tokens": tokens}
-    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
+    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=out.old_logprobs, advantages=batch.advantages,
                           correction=out, clip_ratio=0.2, loss_agg_mode=AGGREGATION[loss_type], **kwargs)
     loss.backward()
     return loss.detach(), current.grad
+
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATION))
+def test_off_policy_delta_between_two_drifts_reaches_trls_mask(clean, loss_type):
+    """delta = 0.03 lies between the drifts of two negative-advantage sequences of the shared batch (0.047
+    and 0.257 are masked; at 0.06 only 0.257 would be): TRL's loss through the adapter is the core's at
+    exactly this delta, through TRL's own off_policy_mask_threshold."""
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", off_policy_sequence_mask_delta=0.03)
+    loss, grad, _, _ = through_trl(clean, cfg, loss_type)
+    assert clean.off_policy_mask_threshold == 0.03
+    want_loss, want_grad = core_loss(None, loss_type, cfg)
+    _close(loss, want_loss, f"{loss_type} loss")
+    _close(grad, want_grad, f"{loss_type} gradient")
+    looser, _ = core_loss(None, loss_type, cfg.replace(off_policy_sequence_mask_delta=0.06))
+    assert abs(float(looser) - float(want_loss)) > 100 * TOL
+
+
+def _finite_batch():
+    """The shared batch with the engine's NaN / -inf replaced by the trainer's pi_old (bypass reads them raw)."""
+    b = make_shared_batch()
+    b.rollout_logprobs = torch.where(torch.isfinite(b.rollout_logprobs), b.rollout_logprobs, b.old_logprobs)
+    return b
+
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATION))
+def test_bypass_alone_replaces_trls_own_ratio(clean, loss_type):
+    """old_logprob_source=bypass without an IS mode: TRL's loss gets pi_old := pi_rollout and a ratio of ones
+    (TRL's own vllm_importance_sampling_correction, on by default, would weigh by pi_old / pi_rollout again)."""
+    assert clean.vllm_importance_sampling_correction is True
+    cfg = CorrectionConfig(old_logprob_source="bypass", log_rollout_offpolicy_metrics=True)
+    batch = _finite_batch()
+    loss, grad, _, inputs = through_trl(clean, cfg, loss_type, batch=batch)
+    in_loss = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+    assert torch.equal(torch.where(in_loss, inputs["importance_sampling_ratio"], 1.0), torch.ones(B, T))
+    want_loss, want_grad = core_loss(None, loss_type, cfg, batch=batch)
+    _close(loss, want_loss, f"bypass {loss_type} loss")
+    _close(grad, want_grad, f"bypass {loss_type} gradient")
 
 
 @pytest.mark.parametrize("loss_type", sorted(AGGREGATION))

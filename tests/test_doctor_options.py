@@ -41,7 +41,7 @@ def stand_in_engines(monkeypatch):
 
     def sample(vllm, model_path, specs, sizing, sampling, prompts, warm, weights, opts, timings):
         seen.update(sizing=dict(sizing), sampling={k: dict(v) for k, v in sampling.items()}, prompts=prompts,
-                    weights=weights, torch_threads=torch.get_num_threads())
+                    warm=warm, weights=weights, torch_threads=torch.get_num_threads())
         batches = {}
         for config in dict.fromkeys(s.config for s in specs):
             batches[config] = []
@@ -271,3 +271,20 @@ def test_every_row_takes_its_own_path(model_path, stand_in_engines):
     assert "mean_log_kept_mass" in rows["s/full-vocab"] and "mean_log_kept_mass" not in rows["s/sampler"]
     assert report["rejection_threshold_scan"] and [s["rows"] for s in report["recommendation"]["steps"]] == [
         "a -> b", "b -> c", "c -> d", "s/full-vocab -> s/sampler"]
+
+
+def test_every_engine_fits_the_longest_prompt_and_its_completion(model_path, stand_in_engines):
+    """``max_model_len``: a power of two at least the longest prompt plus ``max_tokens`` (plus one), here
+    with ``max_tokens`` chosen so that the prompt alone would round to a smaller power of two."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    # the prompts of versions 0 and 1 and the warm-up prompt (version steps + 1)
+    longest = max(len(grpo_rounds.grpo_prompt(tok, v, 0, sentences=2, seed=0)) for v in (0, 1, 3))
+    room = 2 ** (longest.bit_length()) - longest  # the prompt alone fits 2**bit_length; this many more do not
+    run_doctor(DoctorOptions(model=model_path, progress=False, rows=("d",), steps=2, num_prompts=1, samples=1,
+                             max_tokens=room, sentences=2))
+    seen = stand_in_engines
+    assert longest == max(len(p) for p in [*seen["warm"], *(p for ps in seen["prompts"] for p in ps)])
+    size = seen["sizing"]["max_model_len"]
+    assert size >= longest + room + 1 and size & (size - 1) == 0
