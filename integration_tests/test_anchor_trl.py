@@ -93,6 +93,43 @@ def _close(actual, expected, what):
 
 
 @pytest.mark.parametrize("loss_type", sorted(AGGREGATION))
+def test_off_policy_delta_between_two_drifts_reaches_trls_mask(clean, loss_type):
+    """delta = 0.03 lies between the drifts of two negative-advantage sequences of the shared batch (0.047
+    and 0.257 are masked; at 0.06 only 0.257 would be): TRL's loss through the adapter is the core's at
+    exactly this delta, through TRL's own off_policy_mask_threshold."""
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", off_policy_sequence_mask_delta=0.03)
+    loss, grad, _, _ = through_trl(clean, cfg, loss_type)
+    assert clean.off_policy_mask_threshold == 0.03
+    want_loss, want_grad = core_with_trl_denominators(None, loss_type, cfg)
+    _close(loss, want_loss, f"{loss_type} loss")
+    _close(grad, want_grad, f"{loss_type} gradient")
+    looser, _ = core_with_trl_denominators(None, loss_type, cfg.replace(off_policy_sequence_mask_delta=0.06))
+    assert abs(float(looser) - float(want_loss)) > 100 * TOL
+
+
+def _finite_batch():
+    """The shared batch with the engine's NaN / -inf replaced by the trainer's pi_old (bypass reads them raw)."""
+    b = make_shared_batch()
+    b.rollout_logprobs = torch.where(torch.isfinite(b.rollout_logprobs), b.rollout_logprobs, b.old_logprobs)
+    return b
+
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATION))
+def test_bypass_alone_replaces_trls_own_ratio(clean, loss_type):
+    """old_logprob_source=bypass without an IS mode: TRL's loss gets pi_old := pi_rollout and a ratio of ones
+    (TRL's own vllm_importance_sampling_correction, on by default, would weigh by pi_old / pi_rollout again)."""
+    assert clean.vllm_importance_sampling_correction is True
+    cfg = CorrectionConfig(old_logprob_source="bypass", log_rollout_offpolicy_metrics=True)
+    batch = _finite_batch()
+    loss, grad, _, inputs = through_trl(clean, cfg, loss_type, batch=batch)
+    in_loss = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+    assert torch.equal(torch.where(in_loss, inputs["importance_sampling_ratio"], 1.0), torch.ones(B, T))
+    want_loss, want_grad = core_with_trl_denominators(None, loss_type, cfg, batch=batch)
+    _close(loss, want_loss, f"bypass {loss_type} loss")
+    _close(grad, want_grad, f"bypass {loss_type} gradient")
+
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATION))
 @pytest.mark.parametrize("name", all_config_names())
 def test_shared_batch_through_trl_matches_core(clean, name, loss_type):
     trainer = clean

@@ -18,7 +18,7 @@ from rollout_parity.doctor import framework_lines  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROWS = ["a", "d", "s/full-vocab", "s/sampler", "d/salt"]
+ROWS = ["a", "d", "d/vllm-only", "s/full-vocab", "s/sampler", "d/reset", "d/salt"]  # b, c: two more engines
 STEPS, PROMPTS, SAMPLES, TOKENS = 2, 2, 4, 12
 
 
@@ -49,6 +49,13 @@ def test_table_rows_and_engines(run):
     assert rows["a"]["engine_resolved"]["logprobs_mode"] == "raw_logprobs"
     assert all(rows["d"]["recipe_held"].values()) and rows["d"]["engine_resolved"]["head_dtype"] == "float32"
     assert rows["d/salt"]["engine_resolved"]["enable_prefix_caching"] is True
+    assert rows["d/reset"]["engine_resolved"]["enable_prefix_caching"] is True
+    # the cache kept on across a real update, reset or salted: still at parity after the update
+    for row in ("d/reset", "d/salt"):
+        assert max(rows[row]["delta_abs_mean_versions"]) <= 5e-3, row
+    # row d's rollouts scored by a bf16 head: fp32 on one side only is worse than on both
+    assert rows["d/vllm-only"]["tokens"] == rows["d"]["tokens"]
+    assert rows["d/vllm-only"]["delta_abs_mean"] > 1.2 * rows["d"]["delta_abs_mean"]
     assert rows["a"]["vs_a"] == 1.0
     # Raw logprobs against a sampler-aware trainer: a gross mismatch; the recipe removes it.
     assert rows["a"]["delta_abs_mean"] > 10 * rows["d"]["delta_abs_mean"]

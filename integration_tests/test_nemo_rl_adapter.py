@@ -33,7 +33,8 @@ from integration_tests.support.nemo_harness import (
     train_step,
 )
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
-from rollout_parity.adapters.nemo_rl import RolloutParityLossFn, correction_from_nemo_rl, diagnostics
+from rollout_parity.adapters.nemo_rl import (RolloutParityLossFn, check_nemo_rl_vllm_kwargs, correction_from_nemo_rl,
+                                            diagnostics, nemo_rl_generation_config)
 
 pytestmark = [pytest.mark.nemo_rl]
 
@@ -299,6 +300,25 @@ def test_shared_batch_through_adapter_equals_core(nemo, name):
             assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
 
 
+def test_from_nemo_config_metrics_local_gives_the_microbatchs_own_means(nemo):
+    """``from_nemo_config(..., metrics="local")``: our diagnostics as this microbatch's own means (the core's
+    numbers); the default ``"nemo"`` pre-divides them by NeMo RL's global counts, which NeMo RL then sums."""
+    name = "tis_srs_k3"
+    block = {**NO_KL, "rollout_parity": "rollout-parity", "rollout_correction": config_for(name).to_dict()}
+    expected = load_expected()[name]["metrics"]
+    _, data, _ = shared_data(nemo)
+    _, local = train_step(nemo, RolloutParityLossFn.from_nemo_config(block, metrics="local"), data,
+                          microbatch_size=8)
+    _, data, _ = shared_data(nemo)
+    _, shares = train_step(nemo, RolloutParityLossFn.from_nemo_config(block), data, microbatch_size=8)
+    key = "rollout_correction/rejected_seq_frac"  # a sequence mean: the batch has an empty sample
+    mask = make_shared_batch().response_mask
+    n_seq, gvs = float((mask.sum(-1) > 0).sum()), float(mask.shape[0])
+    assert n_seq < gvs and expected[key] > 0
+    assert local[0][key] == pytest.approx(expected[key], rel=1e-6, abs=1e-6)
+    assert shares[0][key] == pytest.approx(expected[key] * n_seq / gvs, rel=1e-6, abs=1e-6)
+
+
 def core_to_nemo(name: str, core: dict, batch) -> dict:
     """The core's whole-batch diagnostics with NeMo RL's denominators (global valid tokens and
     samples); an empty sample counts as on-policy. Independent of any microbatching."""
@@ -451,6 +471,18 @@ def test_fused_linear_logprobs_reach_the_wrapper_through_nemos_code(nemo):
         results.append((loss.detach(), current.grad, metrics))
     (theirs, their_grad, their_metrics), (mine, my_grad, my_metrics) = results
     assert torch.equal(mine, theirs) and torch.equal(my_grad, their_grad) and my_metrics == their_metrics
+
+
+def test_recipe_routing():
+    gen = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
+    assert gen["generation"]["vllm_cfg"] == {"enable_prefix_caching": False,
+                                             "logprobs_mode": "processed_logprobs"}
+    assert gen["generation"]["vllm_kwargs"] == {"async_scheduling": False}
+    assert gen["hf_config_overrides"] == {"head_dtype": "float32"}
+    cached = nemo_rl_generation_config(prefix_cache_policy="reset")["policy"]  # kept on, reset per update
+    assert cached["generation"]["vllm_cfg"]["enable_prefix_caching"] is True and "hf_config_overrides" not in cached
+    with pytest.raises(ValueError, match="vllm_cfg"):
+        check_nemo_rl_vllm_kwargs({"logprobs_mode": "processed_logprobs"})
 
 
 # ----------------------------------------------------------------- construction and bad input

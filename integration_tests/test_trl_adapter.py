@@ -484,6 +484,74 @@ def test_flags_on_trl_command_line(tmp_path):
     assert args.vllm_importance_sampling_correction is True  # TRL's field keeps its default and meaning
 
 
+# Every shared flag at a value other than its default, as TRL's command line gives it, and the flags it
+# must give (the launcher's own table: tests/test_shared_helpers.py).
+EVERY_FLAG = [
+    (["--rollout_importance_sampling_mode", "token_mask"], dict(rollout_importance_sampling_mode="token_mask")),
+    (["--rollout_importance_sampling_threshold", "3.5"], dict(rollout_importance_sampling_threshold=3.5)),
+    (["--rollout_importance_sampling_threshold_lower", "0.5"], dict(rollout_importance_sampling_threshold_lower=0.5)),
+    (["--rollout_importance_sampling_sequence_reduction", "product"],
+     dict(rollout_importance_sampling_sequence_reduction="product")),
+    (["--rollout_importance_sampling_sequence_mask_weight", "sequence"],
+     dict(rollout_importance_sampling_sequence_mask_weight="sequence")),
+    (["--rollout_rejection", "seq_max_k2", "--rollout_rejection_threshold", "0.02"],
+     dict(rollout_rejection=["seq_max_k2"], rollout_rejection_threshold=0.02)),
+    (["--off_policy_sequence_mask_delta", "0.25"], dict(off_policy_sequence_mask_delta=0.25)),
+    (["--old_logprob_source", "bypass"], dict(old_logprob_source="bypass")),
+    (["--log_rollout_offpolicy_metrics", "true"], dict(log_rollout_offpolicy_metrics=True)),
+    (["--fp32_lm_head", "true"], dict(fp32_lm_head=True)),
+]
+
+
+@pytest.mark.parametrize("argv,flags", EVERY_FLAG, ids=lambda x: x[0] if isinstance(x, list) else "")
+def test_every_shared_flag_on_trl_command_line(tmp_path, argv, flags):
+    """Each field of ``ParityGRPOConfig``, alone at a non-default value, reaches the core's config."""
+    args = _parse(["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none", *argv])
+    assert args.correction_config() == CorrectionConfig(**flags) != CorrectionConfig()
+
+
+def test_every_shared_flag_is_in_the_table():
+    assert {k for _, flags in EVERY_FLAG for k in flags} == set(CorrectionConfig.field_names())
+
+
+def test_parity_vllm_engine_builds_trls_llm_with_the_recipe(monkeypatch):
+    """The colocated engine's kwargs: TRL's, with the recipe's merged over them (head dtype and the
+    prefix cache as asked), and TRL's ``LLM`` name back as it was after the block."""
+    from trl.generation import vllm_generation
+
+    from rollout_parity.adapters.trl import parity_vllm_engine
+    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+
+    built = []
+    fake = lambda *a, **kw: built.append(kw) or "engine"  # noqa: E731 - stands in for vllm.LLM
+    monkeypatch.setattr(vllm_generation, "LLM", fake)
+    trl_kwargs = dict(model="m", enable_prefix_caching=True, hf_overrides={"rope_theta": 1e6})
+    with parity_vllm_engine() as plain:
+        vllm_generation.LLM(**trl_kwargs)
+    with parity_vllm_engine(fp32_lm_head=True, prefix_cache_policy="reset") as recipe:
+        assert vllm_generation.LLM(**trl_kwargs) == "engine"
+    assert vllm_generation.LLM is fake
+    assert plain["kwargs"]["enable_prefix_caching"] is False and plain["kwargs"]["hf_overrides"] == {"rope_theta": 1e6}
+    want = {**trl_kwargs, **vllm_parity_kwargs(fp32_lm_head=True, prefix_cache_policy="reset"),
+            "hf_overrides": {"rope_theta": 1e6, "head_dtype": "float32"}}
+    assert built[1] == recipe["kwargs"] == want and want["enable_prefix_caching"] is True
+
+
+def test_plain_grpo_config_takes_the_flags_from_rollout_correction(tmp_path):
+    """``ParityGRPOTrainer(rollout_correction=...)`` with TRL's own ``GRPOConfig``: the flags act (refused
+    here without sampler logprobs; fp32_lm_head turns TRL's cast on) and become the trainer's."""
+    from trl import GRPOConfig
+
+    with pytest.raises(MissingRolloutLogprobsError, match="use_vllm=False"):
+        ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=reward_distinct_chars,
+                          args=grpo_args(tmp_path, GRPOConfig), train_dataset=prompts_dataset(),
+                          rollout_correction={"rollout_importance_sampling_mode": "token_truncate"})
+    args = grpo_args(tmp_path, GRPOConfig)
+    trainer = ParityGRPOTrainer(model=build_tiny_model(), reward_funcs=reward_distinct_chars, args=args,
+                                train_dataset=prompts_dataset(), rollout_correction=CorrectionConfig(fp32_lm_head=True))
+    assert trainer.rollout_correction == CorrectionConfig(fp32_lm_head=True) and args.cast_lm_head_to_fp32 is True
+
+
 def test_flags_in_trl_yaml_config(tmp_path):
     config = tmp_path / "grpo.yaml"
     config.write_text(textwrap.dedent(f"""\
@@ -528,6 +596,11 @@ def test_server_command_passes_trl_vllm_serve():
     assert "--no-enable-prefix-caching" in command and "--no-async-scheduling" in command
     assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert '"head_dtype": "float32"' in command[command.index("--hf-overrides") + 1]
+    # A cache kept on under the salt policy, and arguments of one's own after the recipe's.
+    cmd = server_command("my/model", prefix_cache_policy="salt", extra_args=["--port", "8123"])
+    script_args, extra = parser.parse_args_and_config(shlex.split(cmd)[2:], return_remaining_strings=True)
+    assert script_args.enable_prefix_caching is True and script_args.port == 8123
+    assert "--enable-prefix-caching" in vllm_serve.build_command(script_args, extra)
 
 
 def test_missing_trl_names_the_extra():

@@ -231,6 +231,34 @@ def test_hydra_compose_of_verls_config_validates_into_correction_config():
         adapter.set_active_config(None)
 
 
+# Every key of the rollout_parity block at a value other than its default, as a Hydra override, and the
+# flags it must give (TRL's and the launcher's tables: test_trl_adapter.py, tests/test_shared_helpers.py).
+VERL_EVERY_FLAG = [
+    (["+rollout_parity.rollout_importance_sampling_mode=token_mask"], dict(rollout_importance_sampling_mode="token_mask")),
+    (["+rollout_parity.rollout_importance_sampling_threshold=3.5"], dict(rollout_importance_sampling_threshold=3.5)),
+    (["+rollout_parity.rollout_importance_sampling_threshold_lower=0.5"],
+     dict(rollout_importance_sampling_threshold_lower=0.5)),
+    (["+rollout_parity.rollout_importance_sampling_sequence_reduction=product"],
+     dict(rollout_importance_sampling_sequence_reduction="product")),
+    (["+rollout_parity.rollout_importance_sampling_sequence_mask_weight=sequence"],
+     dict(rollout_importance_sampling_sequence_mask_weight="sequence")),
+    (["+rollout_parity.rollout_rejection=[seq_max_k2,seq_mean_k1]", "+rollout_parity.rollout_rejection_threshold=[0.02,'0.5_2']"],
+     dict(rollout_rejection=["seq_max_k2", "seq_mean_k1"], rollout_rejection_threshold=[0.02, "0.5_2"])),
+    (["+rollout_parity.off_policy_sequence_mask_delta=0.25"], dict(off_policy_sequence_mask_delta=0.25)),
+    (["+rollout_parity.old_logprob_source=bypass"], dict(old_logprob_source="bypass")),
+    (["+rollout_parity.log_rollout_offpolicy_metrics=true"], dict(log_rollout_offpolicy_metrics=True)),
+    (["+rollout_parity.fp32_lm_head=true"], dict(fp32_lm_head=True)),
+    (["+rollout_parity.preset=icepop"], CorrectionConfig.preset("icepop").to_dict()),
+]
+
+
+@pytest.mark.parametrize("overrides,flags", VERL_EVERY_FLAG, ids=lambda x: x[0] if isinstance(x, list) else "")
+def test_every_key_of_the_block_reaches_the_flags(overrides, flags):
+    assert adapter.correction_config_from_verl(compose_verl(*overrides)) == CorrectionConfig(**flags) \
+        != CorrectionConfig()
+    assert {k for _, f in VERL_EVERY_FLAG[:-1] for k in f} == set(CorrectionConfig.field_names())
+
+
 @pytest.mark.parametrize("rejection, verl_bypass", [(False, True), (True, False)])
 def test_bypass_uses_verls_switch_unless_rejection_needs_pi_old_before_the_advantages(rejection, verl_bypass):
     extra = ["+rollout_parity.rollout_rejection=[token_k3]", "+rollout_parity.rollout_rejection_threshold=0.5"] \
@@ -869,6 +897,25 @@ def test_bypass_under_top_p_puts_pi_rollout_on_the_trainers_support(flags):
     assert (written - old).abs()[mask.bool()].max() < 5e-3  # at parity, the ratio's denominator is the trainer's
     assert (rollout - old).abs()[mask.bool() & rollout.isfinite()].mean() > 0.1  # the raw rollout carries log S
     assert metrics["rollout_correction/sampler_log_kept_mass"] < -0.1
+
+
+def test_driver_hook_refuses_verls_own_correction_handed_to_it(flags):
+    """``driver_correction(batch, rollout_corr_config)``: verl's own correction config, as verl's helper is
+    called with it, is checked against ours: an IS or rejection of verl's there is a double correction."""
+    flags(CorrectionConfig(rollout_importance_sampling_mode="token_truncate"))
+    old, rollout, mask, _, _ = grpo_batch(8)
+
+    def proto():
+        return DataProto.from_dict(tensors={"old_log_probs": old.clone(), "rollout_log_probs": rollout.clone(),
+                                            "response_mask": mask.clone()})
+
+    with pytest.raises(ValueError, match="double correction"):
+        adapter.driver_correction(proto(), {"rollout_is": "token", "rollout_rs": None, "bypass_mode": False})
+    with pytest.raises(ValueError, match="bypass_mode=true contradicts"):
+        adapter.driver_correction(proto(), {"rollout_is": None, "rollout_rs": None, "bypass_mode": True})
+    off, _ = adapter.driver_correction(proto(), {"rollout_is": None, "rollout_rs": None, "bypass_mode": False})
+    plain, _ = adapter.driver_correction(proto())
+    assert torch.equal(off.batch["rollout_is_weights"], plain.batch["rollout_is_weights"])
 
 
 def test_sampler_penalties_and_scaled_heads_are_refused_as_in_trl(tmp_path):

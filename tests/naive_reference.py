@@ -388,12 +388,15 @@ def _ppo_log_ratio(cur, old):
     return clamp(x), (1.0 if -BOUND < x < BOUND else 0.0)
 
 
-def naive_ppo(current, old, adv, weights, keep, eps_low, eps_high, clip_c=None, agg="token-mean"):
+def naive_ppo(current, old, adv, weights, keep, eps_low, eps_high, clip_c=None, agg="token-mean",
+              num_tokens=None, num_seqs=None, scale_factor=None):
     """Paper eq. 2 with dual clip, token by token; returns ``(loss, grad [B][T], policy metrics)``.
 
     ``L_t = w_t · max(−r A, −clip(r, 1−ε_low, 1+ε_high) A)``, then ``min(L_t, −c A)`` for A < 0.
     The derivative wrt log π_θ: ``w_t · (−A) · r`` where the unclipped branch binds, else 0.
     ``keep`` is the loss mask; ``weights`` the detached IS weights (1 when no IS mode).
+    ``num_tokens``/``num_seqs`` replace this batch's token/sequence counts in the denominators
+    (global normalisation); ``scale_factor`` replaces T in ``seq-mean-token-sum-norm``.
     """
     B, T = len(current), len(current[0])
     terms = []  # (i, t, L, dL/dcur)
@@ -420,18 +423,20 @@ def naive_ppo(current, old, adv, weights, keep, eps_low, eps_high, clip_c=None, 
     per_seq = {}
     for i, t, _, _ in terms:
         per_seq[i] = per_seq.get(i, 0) + 1
-    S = len(per_seq)
+    S = len(per_seq) if num_seqs is None else num_seqs
+    N_loss = n_tok if num_tokens is None else num_tokens
+    norm = T if scale_factor is None else scale_factor
     grad = [[0.0] * T for _ in range(B)]
     loss = 0.0
     for i, t, value, d in terms:
         if agg == "token-mean":
-            scale = 1.0 / n_tok
+            scale = 1.0 / N_loss
         elif agg == "seq-mean-token-mean":
             scale = 1.0 / (S * per_seq[i])
         elif agg == "seq-mean-token-sum":
             scale = 1.0 / S
         else:  # seq-mean-token-sum-norm, default factor T
-            scale = 1.0 / (S * T)
+            scale = 1.0 / (S * norm)
         loss += value * scale
         grad[i][t] = d * scale
     N = max(n_tok, 1)

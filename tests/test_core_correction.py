@@ -9,6 +9,7 @@ Batches are seeded from the flags with ``zlib.crc32`` (stable across processes, 
 from __future__ import annotations
 
 import itertools
+import math
 import zlib
 
 import pytest
@@ -71,6 +72,9 @@ REJECTIONS = [
     dict(rollout_rejection=["seq_max_k2", "seq_max_k3"], rollout_rejection_threshold=[0.1, 0.2]),
     dict(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_sum_k3"],
          rollout_rejection_threshold=0.3),
+    # rejection and the off-policy mask together: a sequence only the off-policy mask drops is not "rejected"
+    dict(rollout_rejection=["seq_sum_k3", "token_k2"], rollout_rejection_threshold=[0.3, 0.08],
+         off_policy_sequence_mask_delta=0.02),  # here row 5 is masked by the off-policy mask alone
 ]
 
 
@@ -317,3 +321,68 @@ def test_the_naive_reference_imports_nothing_from_the_package():
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert modules <= {"__future__", "math", "dataclasses"}, modules
+
+
+# (loss_agg_mode, an option of policy_loss): each option is set where it acts, and the loss differs from
+# the one without it by more than the tolerance, so dropping it fails the comparison with the reference.
+LOSS_OPTIONS = [
+    ("seq-mean-token-sum-norm", dict(loss_scale_factor=3.0)),
+    ("token-mean", dict(global_num_tokens=97.0)),
+    ("seq-mean-token-mean", dict(global_num_seqs=11.0)),
+    ("seq-mean-token-sum", dict(global_num_seqs=11.0)),
+    ("seq-mean-token-sum-norm", dict(global_num_seqs=11.0)),
+]
+NAIVE_NAMES = {"loss_scale_factor": "scale_factor", "global_num_tokens": "num_tokens", "global_num_seqs": "num_seqs"}
+
+
+@pytest.mark.parametrize("agg,options", LOSS_OPTIONS)
+def test_policy_loss_denominators_match_naive(agg, options):
+    """``loss_scale_factor`` (seq-mean-token-sum-norm's T) and the global counts of data-parallel
+    normalisation, each against the reference with that denominator, loss and gradient."""
+    flags = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.3,
+                 rollout_rejection=["token_k2"], rollout_rejection_threshold=0.02)
+    cfg = CorrectionConfig(**flags)
+    old, rollout, current, mask, adv = make_batch(seed=31, spread=0.2)
+    current = current.clone().requires_grad_()
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out,
+                          loss_agg_mode=agg, **options)
+    loss.backward()
+    ref = naive_correction(flags, *as_lists(old, rollout, mask), adv.tolist(), current.tolist())
+    args = (current.tolist(), old.tolist(), adv.tolist(), ref.weights, ref.keep, 0.2, 0.2)
+    want, grad, _ = naive_ppo(*args, agg=agg, **{NAIVE_NAMES[k]: v for k, v in options.items()})
+    plain, _, _ = naive_ppo(*args, agg=agg)
+    assert abs(want - plain) > 0.1 * abs(plain) > 0  # the option changes the loss here
+    assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-8)
+    torch.testing.assert_close(current.grad, torch.tensor(grad), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
+def test_a_sequence_ratio_past_the_bound_is_clamped_to_it(mode):
+    """log rho = 30 (three tokens at log r = 10, product) is clamped to 20 before exp (DESIGN.md): under a
+    cap of 1e10 (between e^20 and e^30) the sequence keeps weight e^20 instead of being masked or capped."""
+    flags = dict(rollout_importance_sampling_mode=mode, rollout_importance_sampling_threshold=1e10,
+                 rollout_importance_sampling_sequence_reduction="product",
+                 rollout_importance_sampling_sequence_mask_weight="sequence", log_rollout_offpolicy_metrics=True)
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    rollout = old - torch.tensor([[10.0, 10.0, 10.0], [0.1, 0.0, -0.1]])
+    mask = torch.ones(2, 3)
+    out = compute_correction(CorrectionConfig(**flags), old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
+    ref = naive_correction(flags, *as_lists(old, rollout, mask))
+    assert ref.seq_log_ratio[0] == 20.0
+    torch.testing.assert_close(out.weights, torch.tensor(ref.weights), rtol=1e-5, atol=0)
+    assert out.weights[0, 0].item() == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert out.sequence_log_ratio.tolist() == pytest.approx([20.0, 0.0], abs=1e-6)
+
+
+def test_policy_loss_without_metrics_returns_the_same_loss_and_no_metrics():
+    cfg = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", log_rollout_offpolicy_metrics=True)
+    old, rollout, current, mask, adv = make_batch(seed=32)
+    out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                             advantages=adv, current_logprobs=current)
+    loss, metrics = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
+    quiet, none = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out,
+                              with_metrics=False)
+    assert none == {} and "policy/pg_clipfrac" in metrics and "rollout_correction/kl" in metrics
+    assert torch.equal(quiet, loss)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
-from rollout_parity.core.distributed import masked_mean, masked_summary
+from rollout_parity.core.distributed import all_reduce, masked_mean, masked_summary
+from rollout_parity.core.sampler import kept_mass_metrics
 
 CFG = dict(rollout_importance_sampling_mode="sequence_truncate", rollout_importance_sampling_threshold=1.2,
            rollout_rejection=["seq_sum_k3", "token_k1"], rollout_rejection_threshold=[0.05, 1.5],
@@ -29,6 +30,13 @@ def full_batch():
     current = old + torch.randn(B, T, generator=g) * 0.05
     adv = torch.randn(B, generator=g)
     return old, rollout, current, mask, adv
+
+
+def log_kept_mass():
+    """log S per token: finite inside the kept set, +inf for a token sampled outside it (rank 1 only)."""
+    log_s = -torch.rand(8, 10, generator=torch.Generator().manual_seed(3)) * 0.2
+    log_s[6, 1] = float("inf")
+    return log_s
 
 
 def _free_port() -> int:
@@ -57,7 +65,10 @@ def _worker(rank, world, port, results):
         ratio = (old[half] - rollout[half]).exp()  # NaN and all: masked_summary must see only the mask's entries
         keep = mask[half] * rollout[half].isfinite()
         shared = (masked_summary(ratio, keep, dist.group.WORLD), masked_mean(ratio, keep, dist.group.WORLD))
-        results[rank] = (out.metrics, out.weights, out.mask, cur.grad, loss.detach(), shared)
+        kept = kept_mass_metrics(log_kept_mass()[half], mask[half], process_group=dist.group.WORLD)
+        ops = {op: all_reduce(torch.tensor([float(rank + 1), -float(rank)]), dist.group.WORLD, op=op).tolist()
+               for op in ("sum", "max")}
+        results[rank] = (out.metrics, out.weights, out.mask, cur.grad, loss.detach(), shared, kept, ops)
     finally:
         dist.destroy_process_group()
 
@@ -76,8 +87,8 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch():
     loss, _ = policy_loss(cfg, current_logprobs=cur, old_logprobs=old, advantages=adv, correction=out)
     loss.backward()
 
-    m0, w0, k0, g0, l0, s0 = results[0]
-    m1, w1, k1, g1, l1, s1 = results[1]
+    m0, w0, k0, g0, l0, s0, kept0, ops0 = results[0]
+    m1, w1, k1, g1, l1, s1, kept1, ops1 = results[1]
     assert m0 == m1  # every rank logs the same, global numbers
     for key, value in out.metrics.items():
         assert m0[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -94,3 +105,12 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch():
     assert summary.count == kept.numel() and mean == pytest.approx(kept.mean().item(), rel=1e-12)
     assert (summary.mean, summary.min, summary.max) == pytest.approx(
         (kept.mean().item(), kept.min().item(), kept.max().item()), rel=1e-12)
+
+    # kept_mass_metrics over the process group: the concatenated batch's, on both ranks (rank 1 alone
+    # holds the token outside the kept set, so a local value differs)
+    assert kept0 == kept1
+    whole = kept_mass_metrics(log_kept_mass(), mask)
+    assert kept0 == pytest.approx(whole, rel=1e-12)
+    assert kept0 != kept_mass_metrics(log_kept_mass()[:4], mask[:4])
+    # all_reduce's op: sum and max of [rank + 1, -rank] over ranks 0 and 1
+    assert ops0 == ops1 == {"sum": [3.0, -1.0], "max": [2.0, 0.0]}

@@ -62,3 +62,19 @@ def test_projects_in_fp32_under_bf16_autocast():
         under = sampler_logprobs_from_hidden(hidden, weight, tokens, temperature=0.7)
     assert torch.equal(under.full, plain.full)
     assert torch.equal(under.processed, plain.processed)
+
+
+def test_response_mask_counts_only_its_tokens_outside_the_kept_set():
+    """Padding positions carry arbitrary ids: a token outside the kept set there is not counted,
+    exactly as ``sampler_logprobs(response_mask=...)`` on the full logits counts it."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 6, 16, generator=gen)
+    weight = torch.randn(97, 16, generator=gen)
+    logits = hidden @ weight.T
+    tokens = logits.argmin(-1)  # the least likely token: outside top-k 5 everywhere
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+    out = sampler_logprobs_from_hidden(hidden, weight, tokens, top_k=5, response_mask=mask)
+    ref = sampler_logprobs(logits, tokens, top_k=5, response_mask=mask, return_outside=True)
+    assert out.num_outside == ref.num_outside == 4
+    assert torch.equal(out.outside_mask, mask.bool()) and torch.equal(out.outside_mask, ref.outside_mask)
+    assert sampler_logprobs_from_hidden(hidden, weight, tokens, top_k=5).num_outside == 12

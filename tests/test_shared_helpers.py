@@ -36,6 +36,7 @@ from rollout_parity.core.sampler import SamplerSettings, rollout_on_full_vocabul
     ("rollout_rejection_threshold", "0.001", 0.001),
     ("rollout_rejection_threshold", ["0.001"], 0.001),  # TRL's parser gives a list of one
     ("rollout_rejection_threshold", "0.001,0.5_2.0", [0.001, "0.5_2.0"]),  # a K1 range stays text
+    ("rollout_rejection_threshold", "0.9_1", "0.9_1"),  # not 0.91 (float() reads '_' as digit grouping)
     ("rollout_rejection_threshold", ["0.001", "0.5"], [0.001, 0.5]),
     ("rollout_rejection_threshold", [[0.5, 2.0]], [0.5, 2.0]),  # a pair given in code, for one K1 option
     ("rollout_rejection_threshold", [0.001, 3], [0.001, 3]),
@@ -156,3 +157,31 @@ def test_masked_summary_and_mean_against_plain_python():
     assert all_reduce(t, None) is t  # no group: the local batch is the batch
     with pytest.raises(RuntimeError, match="not initialised"):
         all_reduce(torch.ones(1), object())
+
+
+# Every shared flag at a value other than its default on ``rollout-parity launch``'s command line.
+LAUNCH_EVERY_FLAG = [
+    (["--rollout_importance_sampling_mode", "token_mask"], dict(rollout_importance_sampling_mode="token_mask")),
+    (["--rollout_importance_sampling_threshold", "3.5"], dict(rollout_importance_sampling_threshold=3.5)),
+    (["--rollout_importance_sampling_threshold_lower", "0.5"], dict(rollout_importance_sampling_threshold_lower=0.5)),
+    (["--rollout_importance_sampling_sequence_reduction", "product"],
+     dict(rollout_importance_sampling_sequence_reduction="product")),
+    (["--rollout_importance_sampling_sequence_mask_weight", "sequence"],
+     dict(rollout_importance_sampling_sequence_mask_weight="sequence")),
+    (["--rollout_rejection", "seq_max_k2,token_k1", "--rollout_rejection_threshold", "0.02,0.5_2"],
+     dict(rollout_rejection=["seq_max_k2", "token_k1"], rollout_rejection_threshold=[0.02, "0.5_2"])),
+    (["--off_policy_sequence_mask_delta", "0.25"], dict(off_policy_sequence_mask_delta=0.25)),
+    (["--old_logprob_source", "bypass"], dict(old_logprob_source="bypass")),
+    (["--log_rollout_offpolicy_metrics"], dict(log_rollout_offpolicy_metrics=True)),
+    (["--fp32_lm_head"], dict(fp32_lm_head=True)),
+]
+
+
+@pytest.mark.parametrize("argv,flags", LAUNCH_EVERY_FLAG, ids=lambda x: x[0] if isinstance(x, list) else "")
+def test_every_shared_flag_on_the_launch_command_line(argv, flags):
+    from rollout_parity.launcher import build_parser, correction_from_args
+
+    args = build_parser().parse_args([*argv, "script.py", "--old_logprob_source", "the script's"])
+    assert correction_from_args(args) == CorrectionConfig(**flags) != CorrectionConfig()
+    assert args.target == ["script.py", "--old_logprob_source", "the script's"]  # the script's own, untouched
+    assert {k for _, f in LAUNCH_EVERY_FLAG for k in f} == set(CorrectionConfig.field_names())

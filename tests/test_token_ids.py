@@ -188,6 +188,20 @@ def test_generation_cut_by_max_tokens_gets_the_template_eos(tok):
     assert out == prompt1 + gen + expected_tail(tok, FOLLOW_TEXT)
 
 
+def test_generation_cut_by_max_tokens_on_tensors_keeps_the_last_model_token(tok):
+    """The tensor path of the same case: the model's last token is not a terminator, so nothing of
+    the model's is cut; the template's terminator follows it (as on the list path)."""
+    torch = need("torch")
+    np = need("numpy")
+    gen = enc(tok, "The answer is")  # no EOS: the model hit max_tokens
+    _, prompt1, template_prefix, template = two_call_case(tok, gen)
+    want = prompt1 + gen + expected_tail(tok, FOLLOW_TEXT)
+    for kind in (torch.tensor, np.asarray):
+        got = splice_on_policy_token_ids(*(kind(x) for x in (prompt1 + gen, template_prefix, template)),
+                                         eos_token_id=tok.eos_token_id)
+        assert got.tolist() == want, kind
+
+
 def test_tokenizer_without_eos():
     tok = build_chat_tokenizer(eos=None)
     assert tok.eos_token_id is None
@@ -218,6 +232,13 @@ def test_non_monotonic_history_is_an_error(tok):
     summarised = [messages[1]] + messages[3:]  # the system turn was dropped
     with pytest.raises(NonMonotonicHistoryError, match="non-monotonic"):
         spliced_prompt_token_ids(summarised, render(tok), eos_token_id=eos)
+    # Unchecked (a template that writes the terminator inside turns): the splice goes ahead, the
+    # model's last call exactly as it was, then the re-templated turns after it.
+    unchecked = spliced_prompt_token_ids(summarised, render(tok), eos_token_id=eos, check_history=False)
+    last = prompt2 + enc(tok, "43") + [eos]
+    assert unchecked[: len(last)] == last
+    assert unchecked[len(last):] == expected_tail(tok, "\n<|im_start|>user\nthanks<|im_end|>\n"
+                                                        "<|im_start|>assistant\n")[1:]
     # A full template with fewer turns than its own prefix.
     with pytest.raises(NonMonotonicHistoryError, match="shrank"):
         splice_on_policy_token_ids([1, 9, 3, 9], [1, 9, 3, 9], [1, 9, 3], eos_token_id=9,
@@ -270,6 +291,18 @@ def test_hundred_turn_conversation(tok_think):
         messages[-2]["generation_token_ids"]
 
 
+def test_server_side_splice_with_a_turn_terminator_other_than_eos():
+    """``spliced_prompt_token_ids(turn_terminator_ids=...)``: a base tokenizer whose turns end with
+    im_end, not its EOS. Without the terminator the server refuses; with it, the model's IDs stay."""
+    tok = build_chat_tokenizer(eos="<|endoftext|>")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    messages, prompt1, _, _ = two_call_case(tok, enc(tok, "The answer is 42.") + [im_end])
+    with pytest.raises(MissingTurnTerminatorError):
+        spliced_prompt_token_ids(messages, render(tok), eos_token_id=tok.eos_token_id)
+    out = spliced_prompt_token_ids(messages, render(tok), eos_token_id=tok.eos_token_id, turn_terminator_ids=im_end)
+    assert out == prompt1 + enc(tok, "The answer is 42.") + [im_end] + enc(tok, FOLLOW_TEXT)
+
+
 def test_message_fields_all_or_none(tok):
     full = {"role": "assistant", "content": "x", "prompt_token_ids": [1],
             "generation_token_ids": [2, 3], "generation_log_probs": [-0.1, -0.2]}
@@ -280,6 +313,8 @@ def test_message_fields_all_or_none(tok):
     del partial["generation_log_probs"]
     with pytest.raises(MessageTokenIdsError, match="generation_log_probs"):
         message_token_ids(partial)
+    with pytest.raises(MessageTokenIdsError, match=r"^messages\[3\] carries"):
+        message_token_ids(partial, where="messages[3]")
     with pytest.raises(MessageTokenIdsError, match="same length"):
         message_token_ids(dict(full, generation_log_probs=[-0.1]))
     with pytest.raises(MessageTokenIdsError, match="no token-ID fields"):
@@ -342,7 +377,8 @@ def test_tensor_and_array_inputs_give_the_list_result(tok_think):
 def test_fast_path_equals_the_counting_path(monkeypatch):
     """When the template extends its prefix, the splice finds the cut with one list comparison
     instead of counting terminators; on seeded random histories (extended, stripped, rewritten,
-    shrunk, one or two terminators) both paths give the same prompt or the same error."""
+    shrunk, one or two terminators, model prefixes with and without a final terminator) both
+    paths, and the tensor path, give the same prompt or the same error."""
     import random
 
     import rollout_parity.core.token_ids as token_ids
@@ -353,8 +389,9 @@ def test_fast_path_equals_the_counting_path(monkeypatch):
         except TokenSpliceError as exc:
             return type(exc)
 
+    torch = need("torch")
     rng = random.Random(5)
-    taken = 0
+    taken = ends_open = 0
     for _ in range(2000):
         turns = [[rng.randrange(4, 30) for _ in range(rng.randint(0, 5))] + [rng.choice([2, 3])]
                  for _ in range(rng.randint(1, 5))]
@@ -378,4 +415,9 @@ def test_fast_path_equals_the_counting_path(monkeypatch):
             m.setattr(token_ids, "_cut_if_template_extends_prefix", lambda *a: -1)
             counted = outcome(model, prefix, template, **kw)
         assert fast == counted, (model, prefix, template, kw)
+        # The tensor path (its own vectorised code) on the same histories: the same prompt or error.
+        tensors = outcome(*(torch.tensor(x, dtype=torch.long) for x in (model, prefix, template)), **kw)
+        assert (tensors.tolist() if isinstance(tensors, torch.Tensor) else tensors) == fast, (model, prefix, template, kw)
+        ends_open += bool(model) and model[-1] not in (2, 3) and isinstance(fast, list)
     assert taken > 500
+    assert ends_open > 200  # model prefixes not ending in a terminator (a generation cut by max_tokens)

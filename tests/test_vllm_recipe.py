@@ -80,6 +80,31 @@ def test_serve_flags_parse_in_vllm_own_cli():
         "processed_logprobs", False, False, {"head_dtype": "float32"}]
 
 
+def test_serve_flags_keep_the_cache_on_under_reset_and_salt():
+    for policy in ("reset", "salt"):
+        flags = vllm_serve_flags(prefix_cache_policy=policy, vllm_version="0.31.0")
+        assert "--enable-prefix-caching" in flags and "--no-enable-prefix-caching" not in flags
+        assert vllm_serve_flags(prefix_cache_policy=policy, style="trl", vllm_version="0.31.0")[:2] == [
+            "--enable_prefix_caching", "True"]
+    assert "--no-enable-prefix-caching" in vllm_serve_flags(vllm_version="0.31.0")
+
+
+def test_a_recipe_file_of_ones_own(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("engine: {logprobs_mode: processed_logprobs, enable_prefix_caching: true}\n"
+                    "fp32_lm_head: true\nprefix_cache_policy: salt\n")
+    r = load_recipe(path)
+    assert (r["fp32_lm_head"], r["prefix_cache_policy"]) == (True, "salt") != (
+        load_recipe()["fp32_lm_head"], load_recipe()["prefix_cache_policy"])
+    assert vllm_parity_kwargs(r["fp32_lm_head"], r["prefix_cache_policy"], vllm_version="0.31.0")[
+        "enable_prefix_caching"] is True
+    (tmp_path / "bad.yaml").write_text("engine: {max_num_seqs: 4}\n")
+    with pytest.raises(ValueError, match="unknown engine keys.*max_num_seqs"):
+        load_recipe(tmp_path / "bad.yaml")
+    with pytest.raises(FileNotFoundError):
+        load_recipe(tmp_path / "absent.yaml")
+
+
 def test_yaml_recipe_equals_the_code():
     assert load_recipe() == vr._recipe_as_mapping()
     r = load_recipe()

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from rollout_parity.core.weight_update import WeightVersion, update_weights_in_flight, update_weights_sync
+from rollout_parity.core.weight_update import (WeightVersion, salt_for_version, update_weights_in_flight,
+                                               update_weights_sync)
 
 
 class FakeAsyncEngine:
@@ -127,3 +128,17 @@ def test_weight_version_stamps():
         v.bump(to=0)
     with pytest.raises(TypeError, match="prompt"):
         v.stamp(3.5)
+
+
+def test_in_flight_update_can_clear_the_cache_while_paused():
+    """``clear_cache=True`` reaches vLLM's ``pause_generation`` (the recipe's default keeps the cache)."""
+    eng = FakeAsyncEngine()
+    asyncio.run(update_weights_in_flight(eng, lambda: None, clear_cache=True, pause_mode="wait"))
+    assert eng.calls[0] == ("pause", "wait", True)
+
+
+def test_a_salt_prefix_separates_tenants_sharing_one_engine():
+    a, b = WeightVersion(3, prefix="tenant-a/v"), WeightVersion(3, prefix="tenant-b/v")
+    assert a.salt == "tenant-a/v3" == salt_for_version(3, prefix="tenant-a/v") and b.salt == "tenant-b/v3"
+    assert a.stamp([1, 2])["cache_salt"] != b.stamp([1, 2])["cache_salt"]
+    assert salt_for_version(3) == WeightVersion(3).salt == "rollout-parity-weights-v3"

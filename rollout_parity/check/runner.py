@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from rollout_parity.check.report import CORRUPT_ENV, FrameworkReport, corrupt_target, extra_range, in_range
@@ -55,7 +55,6 @@ class CheckOptions:
     max_delta: Optional[float] = None  # vLLM probe; None: vllm_probe.MAX_DELTA
     gpu_memory_utilization: float = 0.3
     progress: bool = True
-    notes: list[str] = field(default_factory=list)
 
 
 def corruptible_checks() -> list[str]:
@@ -158,6 +157,8 @@ def _dispatch(key: str, report: FrameworkReport, opts: CheckOptions, tick: Calla
 def run_check(opts: CheckOptions) -> tuple[list[FrameworkReport], float]:
     """Every selected framework's checks, in order; returns the reports and the wall time."""
     known = {s.key for s in FRAMEWORKS}
+    if not opts.frameworks:
+        raise ValueError("no framework left to check (--only/--skip selected none)")
     for key in (*opts.frameworks, *opts.require):
         if key not in known:
             raise ValueError(f"unknown framework {key!r}; known: {', '.join(sorted(known))}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -46,20 +46,22 @@ _NATIVE = {
 }
 
 
-def core_with_trl_denominators(name: str, loss_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def core_with_trl_denominators(name: Optional[str], loss_type: str, cfg: Any = None,
+                               batch: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The core's loss and gradient for TRL's ``loss_type``, with TRL's denominators.
 
-    TRL's off-policy mask multiplies the loss: its sequences still count in the token
-    denominators (bnpo, dapo); grpo averages sequence means over every row.
+    ``cfg`` and ``batch`` stand in for the shared config ``name`` and the shared batch. TRL's off-policy
+    mask multiplies the loss: its sequences still count in the token denominators (bnpo, dapo); grpo
+    averages sequence means over every row.
     """
-    batch = make_shared_batch()
-    cfg = config_for(name)
+    batch = batch or make_shared_batch()
+    cfg = config_for(name) if cfg is None else cfg
     current = batch.fresh_current()
     out = compute_correction(cfg, old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
                              response_mask=batch.response_mask, advantages=batch.advantages, current_logprobs=current)
     tokens = (batch.response_mask * (1 - out.rejected)).sum()
     kwargs = {"global_num_seqs": float(B)} if loss_type == "grpo" else {"global_num_tokens": tokens}
-    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
+    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=out.old_logprobs, advantages=batch.advantages,
                           correction=out, clip_ratio=0.2, loss_agg_mode=AGGREGATION[loss_type], **kwargs)
     loss.backward()
     return loss.detach(), current.grad

@@ -28,6 +28,11 @@ REJECTION_OPTIONS = (
     "seq_max_k2", "seq_max_k3",
 )
 
+__all__ = [
+    "CorrectionConfig", "RejectionRule", "IS_MODES", "SEQUENCE_REDUCTIONS", "SEQUENCE_MASK_WEIGHTS", "OLD_LOGPROB_SOURCES",
+    "REJECTION_OPTIONS", "LIST_FLAGS", "parse_rejection", "flag_from_text", "configs_dir",
+]
+
 ThresholdSpec = Union[float, str, Sequence[float]]
 #: Flags that take a list (a comma-separated string on a command line).
 LIST_FLAGS = ("rollout_rejection", "rollout_rejection_threshold")
@@ -140,6 +145,8 @@ def parse_rejection(options: Sequence[str], thresholds: Any) -> tuple[RejectionR
 
 
 def _number_or_text(text: str) -> Any:
+    if "_" in text:  # a K1 range such as '0.5_2' (float() would read it as 0.52: digit grouping)
+        return text
     try:
         return float(text)
     except ValueError:

@@ -26,6 +26,10 @@ from .ratios import (TokenStats, check_shapes, compute_dtype, nonfinite_mask, sa
                      zero_padding_advantages)
 
 
+#: The public face; ``importance_weights``, ``rejection_keep`` and ``sequence_advantages`` are its parts.
+__all__ = ["CorrectionOutput", "compute_correction"]
+
+
 @dataclass
 class CorrectionOutput:
     """What ``compute_correction`` returns; adapters read ``weights``, ``mask``, ``metrics``.

@@ -35,6 +35,9 @@ from .config import CorrectionConfig
 from .correction import CorrectionOutput
 from .ratios import LOG_RATIO_BOUND, check_shapes, zero_padding_advantages
 
+#: The public face; ``aggregate`` and ``clipped_surrogate`` are its parts.
+__all__ = ["LOSS_AGG_MODES", "policy_loss"]
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 

@@ -42,6 +42,9 @@ import torch
 from .distributed import all_reduce
 from .ratios import LOG_RATIO_BOUND, TokenStats
 
+#: ``correction_metrics`` is reached through ``compute_correction`` only (its one caller).
+__all__ = ["PREFIX"]
+
 PREFIX = "rollout_correction/"
 
 _SUM_KEYS = (

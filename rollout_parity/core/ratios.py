@@ -10,6 +10,9 @@ from typing import Optional
 
 import torch
 
+#: What adapters read; ``TokenStats`` and the sanitising helpers are the correction's parts.
+__all__ = ["LOG_RATIO_BOUND", "check_shapes"]
+
 #: The token or sequence log-ratio is clamped to ±20 before exp (verl's SAFETY_BOUND).
 LOG_RATIO_BOUND = 20.0
 
