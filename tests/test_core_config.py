@@ -11,7 +11,7 @@ import yaml
 
 from rollout_parity import CorrectionConfig
 # DESIGN.md's flag table written out (the naive reference's), so a clone without ../shared checks it too
-from tests.naive_reference import DEFAULTS as DESIGN_DEFAULTS
+from tests.naive_reference import DEFAULTS as DESIGN_DEFAULTS, LATER_DEFAULTS
 
 DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
 
@@ -37,9 +37,9 @@ def design_flag_table():
 
 
 def test_every_design_flag_exists_with_its_default():
-    """Always runs: CorrectionConfig's fields and defaults are exactly DESIGN.md's table."""
+    """Always runs: CorrectionConfig's fields and defaults are exactly DESIGN.md's table and the later flags."""
     fields = {f.name: f.default for f in dataclasses.fields(CorrectionConfig)}
-    assert fields == DESIGN_DEFAULTS
+    assert fields == {**DESIGN_DEFAULTS, **LATER_DEFAULTS}
     cfg = CorrectionConfig()
     assert {name: getattr(cfg, name) for name in DESIGN_DEFAULTS} == DESIGN_DEFAULTS
     assert cfg.rollout_importance_sampling_threshold == 2.0 and type(cfg.rollout_importance_sampling_threshold) is float
@@ -146,7 +146,7 @@ def test_required_presets_and_their_meaning(name):
     """Every flag of the preset, so an edit of its YAML shows here even where a test batch cannot tell."""
     assert name in CorrectionConfig.available_presets()
     got = CorrectionConfig.preset(name).to_dict()
-    changed = {k: v for k, v in got.items() if v != DESIGN_DEFAULTS[k]}
+    changed = {k: v for k, v in got.items() if v != {**DESIGN_DEFAULTS, **LATER_DEFAULTS}[k]}
     assert changed == PRESET_MEANING[name]
 
 
