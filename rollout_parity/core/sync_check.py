@@ -85,7 +85,9 @@ class SyncCheckResult:
 
     @property
     def ok(self) -> bool:
-        return self.delta_abs_mean <= self.threshold and not self.unsent
+        """The gap decides; ``unsent`` only explains a failure (a group not sent while it still equals the
+        engine's copy, e.g. before the first optimizer step, is no error)."""
+        return self.delta_abs_mean <= self.threshold
 
     def metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
         return {f"{prefix}probe_delta_abs_mean": self.delta_abs_mean,
@@ -95,14 +97,14 @@ class SyncCheckResult:
         head = (f"weight sync {self.sync_index}: the engine's logprobs on the sync probe differ from the trainer's at "
                 f"the same weights by mean |delta| {self.delta_abs_mean:.3g} (max {self.delta_abs_max:.3g}, "
                 f"{self.tokens} tokens); weight_sync_check_threshold is {self.threshold:g}")
+        if self.ok:
+            return head + ": ok" + (f" (not sent in this sync: {', '.join(self.unsent)})" if self.unsent else "")
         if self.unsent:
             return (f"{head}. Never handed to the engine in this sync (left at their old values): "
                     f"{', '.join(self.unsent)}")
-        if self.delta_abs_mean > self.threshold:
-            return (f"{head}. Every trainer parameter was sent: the engine's loader or its post-load processing "
-                    "changed them (a layout the loader misreads, a kernel layout a raw load bypasses: docs/moe.md), "
-                    "or the sync sent stale values")
-        return head + ": ok"
+        return (f"{head}. Every trainer parameter was sent: the engine's loader or its post-load processing "
+                "changed them (a layout the loader misreads, a kernel layout a raw load bypasses: docs/moe.md), "
+                "or the sync sent stale values")
 
 
 class WeightSyncError(RuntimeError):
