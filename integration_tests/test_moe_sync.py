@@ -12,8 +12,8 @@ The trainer side is transformers at the same weights. Checked:
   raw buffers as transformers' own per-expert conversion (``revert_weight_conversion``, what
   ``save_pretrained`` writes), bit for bit, and those buffers equal transformers' tensors;
 * its cause is the CPU experts' prepack, which a raw load bypasses and vLLM 0.31 skips on every load
-  after the first: :func:`finish_moe_weight_load` brings both paths back to parity and keeps it across
-  further syncs of new weights.
+  after the first: :func:`finish_moe_weight_load` brings both paths back to parity, leaves a layer no load
+  wrote alone (a second call, a sync of one layer), and keeps parity across further syncs of new weights.
 """
 
 from __future__ import annotations
@@ -99,6 +99,15 @@ def test_trl_style_sync_scrambles_the_experts_and_the_fix_restores_parity(llm, h
     assert gap(llm, hf) > BROKEN  # the bug
     done = finish_moe_weight_load(engine_model(llm), post_processed=False)
     assert len(done) == hf.config.num_hidden_layers
+    assert gap(llm, hf) < PARITY
+    assert finish_moe_weight_load(engine_model(llm), post_processed=False) == []  # nothing written since
+    assert gap(llm, hf) < PARITY
+
+
+def test_a_sync_that_writes_one_layer_processes_that_layer_only(llm, hf):
+    layer1 = {n: t for n, t in hf.state_dict().items() if n.startswith("model.layers.1.")}
+    trl_sync(llm, layer1)
+    assert finish_moe_weight_load(engine_model(llm), post_processed=False) == ["model.layers.1.mlp.experts.routed_experts"]
     assert gap(llm, hf) < PARITY
 
 

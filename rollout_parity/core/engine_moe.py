@@ -26,6 +26,9 @@ import torch
 
 __all__ = ["fused_moe_layers", "finish_moe_weight_load"]
 
+_FINGERPRINT = "_rollout_parity_moe_fingerprint"  # samples of w13/w2 right after we processed the layer
+_SAMPLES = 4096
+
 _UNQUANTIZED = "UnquantizedFusedMoEMethod"
 _CPU_EXPERTS = "CPUUnquantizedExperts"
 
@@ -48,12 +51,28 @@ def _cpu_experts(layer: torch.nn.Module) -> Any:
     return experts if experts is not None and _CPU_EXPERTS in _class_names(experts) else None
 
 
+def _fingerprint(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evenly spaced samples of both expert tensors: a load writes checkpoint-layout values, which differ from
+    the processed ones wherever processing moves them (where it moves nothing, processing twice is harmless)."""
+    def sample(t: torch.Tensor) -> torch.Tensor:
+        flat = t.detach().reshape(-1)
+        return flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES].clone()
+
+    return sample(layer.w13_weight), sample(layer.w2_weight)
+
+
+def _unchanged(layer: torch.nn.Module) -> bool:
+    seen = getattr(layer, _FINGERPRINT, None)
+    return seen is not None and all(torch.equal(a, b) for a, b in zip(seen, _fingerprint(layer)))
+
+
 def finish_moe_weight_load(model: torch.nn.Module, *, post_processed: bool) -> list[str]:
     """Put the expert weights a sync just wrote into each fused-MoE layer into its kernel's layout.
 
-    Call it exactly once after each load that wrote every expert (a full sync): the steps it runs are
-    not idempotent (prepacking prepacked weights scrambles them; vLLM cannot tell raw from processed,
-    its weight loaders write through ``.data``, which no version counter sees).
+    Call it after each load. The steps are not idempotent (prepacking prepacked weights scrambles them)
+    and vLLM's loaders write through ``.data``, which no version counter sees, so each processed layer
+    keeps a fingerprint (evenly spaced samples of both tensors): a layer whose tensors still match it was
+    not written since and is left alone (a second call, or a sync that skipped a layer, is safe).
     ``post_processed=False`` (TRL's colocated sync: raw ``load_weights``): vLLM's own per-layer
     ``quant_method.process_weights_after_loading`` (the conversion vLLM's reload runs), then the CPU
     prepack. ``post_processed=True`` (verl, ``reload_weights``: vLLM's processing already ran): the CPU
@@ -69,10 +88,13 @@ def finish_moe_weight_load(model: torch.nn.Module, *, post_processed: bool) -> l
     done = []
     with torch.no_grad():
         for name, layer in layers:
+            if _unchanged(layer):
+                continue
             if not post_processed:
                 layer.quant_method.process_weights_after_loading(layer)
             experts = _cpu_experts(layer)
             if experts is not None:  # vLLM 0.31 skips this on every load after the first
                 experts.process_weights_after_loading(layer)
+            setattr(layer, _FINGERPRINT, _fingerprint(layer))
             done.append(name)
     return done
