@@ -82,6 +82,7 @@ class SyncCheckResult:
     threshold: float
     tokens: int
     unsent: tuple[str, ...] = ()
+    sent_known: bool = False  # whether the caller recorded what the sync handed to the engine
 
     @property
     def ok(self) -> bool:
@@ -102,9 +103,11 @@ class SyncCheckResult:
         if self.unsent:
             return (f"{head}. Never handed to the engine in this sync (left at their old values): "
                     f"{', '.join(self.unsent)}")
-        return (f"{head}. Every trainer parameter was sent: the engine's loader or its post-load processing "
-                "changed them (a layout the loader misreads, a kernel layout a raw load bypasses: docs/moe.md), "
-                "or the sync sent stale values")
+        cause = ("the engine's loader or its post-load processing changed them (a layout the loader misreads, a "
+                 "kernel layout a raw load bypasses: docs/moe.md), or the sync sent stale values")
+        if self.sent_known:
+            return f"{head}. Every trainer parameter was sent: {cause}"
+        return f"{head}. A parameter group the sync did not send (left at its old values), or {cause}"
 
 
 class WeightSyncError(RuntimeError):
@@ -116,9 +119,10 @@ class WeightSyncError(RuntimeError):
 
 
 def judge(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, threshold: float, *,
-          sync_index: int = 0, unsent: Iterable[str] = ()) -> SyncCheckResult:
+          sync_index: int = 0, unsent: Optional[Iterable[str]] = None) -> SyncCheckResult:
     """Compare the two sides on the probe's tokens (NaN entries, e.g. a short completion, are skipped);
-    a non-finite logprob on one side only counts as a gap of +inf."""
+    a non-finite logprob on one side only counts as a gap of +inf. ``unsent``: the groups the sync did not
+    hand over (:func:`unsent_groups`), when the caller recorded what it sent; None when it did not."""
     engine, trainer = engine_logprobs.double().flatten(), trainer_logprobs.double().flatten()
     if engine.shape != trainer.shape:
         raise ValueError(f"engine logprobs {tuple(engine_logprobs.shape)} and trainer logprobs "
@@ -128,7 +132,8 @@ def judge(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, thresho
     delta = torch.where(delta.isnan(), torch.zeros_like(delta), delta)  # -inf on both sides: no gap
     mean = float(delta.mean()) if delta.numel() else 0.0
     top = float(delta.max()) if delta.numel() else 0.0
-    return SyncCheckResult(sync_index, mean, top, float(threshold), int(valid.sum()), tuple(unsent))
+    return SyncCheckResult(sync_index, mean, top, float(threshold), int(valid.sum()), tuple(unsent or ()),
+                           sent_known=unsent is not None)
 
 
 _LAYER = re.compile(r"^(.*?\blayers\.\d+\.[A-Za-z_]+)")

@@ -104,7 +104,7 @@ def _check(trainer: Any, state: Any, generation: Any, sent: set) -> None:
     completions, engine = probe_engine(generation, probe, trainer.temperature)
     trainer_lp = probe_trainer(trainer, probe, completions)
     result = judge(engine, trainer_lp, cfg.weight_sync_check_threshold, sync_index=index,
-                   unsent=unsent_groups(_expected_names(trainer, generation), sent) if sent else ())
+                   unsent=unsent_groups(_expected_names(trainer, generation), sent) if sent else None)
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     for name, value in result.metrics().items():
         metrics[name].append(value)
