@@ -296,7 +296,8 @@ class CorrectionConfig:
             )
         interval = self.weight_sync_check_interval
         if interval is not None:
-            if isinstance(interval, bool) or not float(self._number("weight_sync_check_interval", interval)).is_integer():
+            whole = not isinstance(interval, bool) and float(self._number("weight_sync_check_interval", interval)).is_integer()
+            if not whole:
                 raise _flag_error("weight_sync_check_interval", f"must be a whole number >= 0 or null, got {interval!r}")
             interval = int(interval)
             if interval < 0:
