@@ -4,8 +4,8 @@ Same conventions as :func:`rollout_parity.testing.tiny_model.build_tiny_model`: 
 tokenizer (no download), every parameter re-drawn from a seeded generator, embeddings and
 blocks with std ``embed_std`` and ``block_std`` (HF's 0.02: every block, the experts included,
 moves the normalised residual stream, so scrambled experts show in the logits), and an untied
-head with std ``logit_std / sqrt(hidden)`` so that logits have std ~``logit_std`` (a peaked head: a MoE with a flat head hides an expert
-mix-up, issue 26). The router is drawn with std ``router_std / sqrt(hidden)``, so router logits
+head with std ``logit_std / sqrt(hidden)`` so that logits have std ~``logit_std`` (a peaked head:
+a MoE with a flat head hides an expert mix-up, issue 26). The router is drawn with std ``router_std / sqrt(hidden)``, so router logits
 have std ~``router_std`` and routing is decided by margins of that size, not by noise.
 ``head_dim`` is 32 (vLLM's CPU backend needs >= 32). transformers 5 keeps the experts fused
 (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``); ``save_pretrained`` writes the
