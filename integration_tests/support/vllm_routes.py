@@ -22,7 +22,7 @@ import torch
 
 from integration_tests.support.vllm_cpu_shim import engine_model
 
-__all__ = ["RouteRecorder"]
+__all__ = ["RouteRecorder", "routed_llm_class"]
 
 
 def _runner(llm: Any) -> Any:
@@ -79,11 +79,36 @@ class RouteRecorder:
             out[:, layer] = torch.cat(chunks).to(torch.int16)
         return out.numpy()
 
-    def generate(self, *args: Any, **kwargs: Any) -> list:
-        """``llm.generate`` with ``routed_experts`` filled on each completion, as vLLM's MR V2 fills it."""
-        outputs = self.llm.generate(*args, **kwargs)
+    def attach(self, outputs: list) -> list:
+        """Fill ``routed_experts`` on each completion of ``outputs``, as vLLM's MR V2 fills it."""
         for out in outputs:
             routes = self.routes_of(out.request_id)
             for completion in out.outputs:
                 completion.routed_experts = routes
         return outputs
+
+    def generate(self, *args: Any, **kwargs: Any) -> list:
+        """``llm.generate`` with the routes attached."""
+        return self.attach(self.llm.generate(*args, **kwargs))
+
+
+def routed_llm_class():
+    """A ``vllm.LLM`` that accepts ``enable_return_routed_experts=True`` on CPU: it builds the engine without it
+    (MR V2 does not start here) and returns the routes of its ``generate`` through a :class:`RouteRecorder`.
+    Put it where a framework looks ``LLM`` up (TRL: ``trl.generation.vllm_generation.LLM``). The engine runs
+    eagerly, asked for routes or not: a compiled forward would have traced the router before the recorder's
+    hook was set (vLLM binds its own capturer before compiling)."""
+    import vllm
+
+    class RoutedLLM(vllm.LLM):
+        def __init__(self, *args: Any, enable_return_routed_experts: bool = False, **kwargs: Any) -> None:
+            kwargs["enforce_eager"] = True
+            super().__init__(*args, **kwargs)
+            self.asked_for_routes = enable_return_routed_experts
+            self.route_recorder = RouteRecorder(self) if enable_return_routed_experts else None
+
+        def generate(self, *args: Any, **kwargs: Any) -> list:
+            outputs = super().generate(*args, **kwargs)
+            return outputs if self.route_recorder is None else self.route_recorder.attach(outputs)
+
+    return RoutedLLM

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -45,8 +45,14 @@ def find_routers(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module
     return found
 
 
+#: Routes for a whole batch, handed out row after row, or a function of one forward's
+#: ``(input_ids, attention_mask)`` giving that forward's (b, t, L, k) routes.
+Routes = Union[torch.Tensor, Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]]
+
+
 class RoutingReplay:
-    """Replays given routes in one model's routers while :meth:`replaying` runs."""
+    """Replays given routes in one model's routers while :meth:`replaying` runs (or between :meth:`install`
+    into a caller's ledger and :meth:`stop`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -54,32 +60,45 @@ class RoutingReplay:
         if not self.routers:
             raise ValueError(f"moe_routing_replay: {type(model).__name__} has no MoE router to replay")
         self.used: dict[int, list[torch.Tensor]] = {}
-        self._routes: Optional[torch.Tensor] = None
+        self._routes: Optional[Routes] = None
         self._cursor = 0
         self._slice: Optional[torch.Tensor] = None
         self._record = False
+        self._handle: Any = None
 
     @contextlib.contextmanager
-    def replaying(self, routes: torch.Tensor, *, record: bool = False) -> Iterator["RoutingReplay"]:
-        """Forwards inside the block take ``routes`` ((B, T, L, k), -1: own routing) row after row."""
-        self._routes, self._cursor, self._slice, self._record = routes, 0, None, record
-        self.used = {layer: [] for layer, _, _ in self.routers}
+    def replaying(self, routes: Routes, *, record: bool = False) -> Iterator["RoutingReplay"]:
+        """Forwards inside the block take ``routes`` ((B, T, L, k), -1: own routing) row after row, or ask
+        ``routes(input_ids, attention_mask)`` for theirs."""
         patches = Patches()
-        handle = self.model.register_forward_pre_hook(self._next_rows, with_kwargs=True)
         try:
-            for layer, name, router in self.routers:
-                patches.wrap(router, "forward", functools.partial(self._routed, layer, router),
-                             dotted=f"{name}.forward")
+            self.install(patches, routes, record=record)
             yield self
         finally:
-            handle.remove()
+            self.stop()
             patches.revert()
-            self._routes = self._slice = None
+
+    def install(self, patches: Patches, routes: Routes, *, record: bool = False) -> None:
+        """Wrap the routers in ``patches`` (the caller's ledger reverts them) and hook the model; :meth:`stop`
+        removes the hook."""
+        self._routes, self._cursor, self._slice, self._record = routes, 0, None, record
+        self.used = {layer: [] for layer, _, _ in self.routers}
+        for layer, name, router in self.routers:
+            patches.wrap(router, "forward", functools.partial(self._routed, layer, router), dotted=f"{name}.forward")
+        self._handle = self.model.register_forward_pre_hook(self._next_rows, with_kwargs=True)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle, self._routes, self._slice = None, None, None
 
     def _next_rows(self, module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             raise ValueError("routing replay needs input_ids in the model's forward to place the routes")
+        if callable(self._routes):
+            self._slice = self._routes(ids, kwargs.get("attention_mask"))
+            return
         rows, width = ids.shape
         if self._cursor + rows > self._routes.shape[0] or width > self._routes.shape[1]:
             raise ValueError(f"routing replay: a forward of {tuple(ids.shape)} at row {self._cursor} runs past the "

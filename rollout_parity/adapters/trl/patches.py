@@ -25,6 +25,7 @@ from rollout_parity.adapters.trl.engine import check_engine
 from rollout_parity.adapters.trl.generation import KEY, ORIGINAL, checked_generate, corrected_generation, \
     observed_forward
 from rollout_parity.adapters.trl.refusals import TRL_RATIO_FIELDS, refuse_trainer
+from rollout_parity.adapters.trl.routing import install_routing_replay
 from rollout_parity.adapters.trl.sync import install_sync_hooks
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
@@ -59,6 +60,7 @@ class _State:
     probe: Any = None  # core.sync_check.SyncProbe, made at the first checked sync
     sync_results: list = dataclasses.field(default_factory=list)  # one SyncCheckResult per checked sync
     moe_logged: bool = False
+    routing: Any = None  # (RoutingReplay, its route table) while moe_routing_replay is on (routing.py)
 
     def hands_weights(self, trainer: Any) -> bool:
         """Ours (or ones) replace TRL's ratio; otherwise TRL's own acts as configured."""
@@ -116,6 +118,8 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
     state = trainer.__dict__[_STATE] = _State(config=cfg, engine_checks=checks, sampling=sampling)
     try:  # all or nothing
         install_sync_hooks(trainer, state)  # MoE layers completed after each sync; the optional sync check
+        if cfg.moe_routing_replay:
+            install_routing_replay(trainer, state)
         if needs_rollout_logprobs(cfg):
             if not trainer.vllm_importance_sampling_correction:  # the channel, and TRL's pi_old recomputation
                 _set_flag(trainer, state, "vllm_importance_sampling_correction", True)
@@ -149,6 +153,8 @@ def revert(trainer: Any) -> bool:
     state = trainer.__dict__.pop(_STATE, None)
     if state is None:
         return False
+    if state.routing is not None:
+        state.routing[0].stop()
     state.patches.revert()
     for batch in getattr(trainer, "_buffered_inputs", None) or []:
         for key in [k for k in batch if k.startswith(KEY)]:

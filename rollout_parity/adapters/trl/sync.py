@@ -101,7 +101,14 @@ def _check(trainer: Any, state: Any, generation: Any, sent: set) -> None:
         vocab = trainer.accelerator.unwrap_model(trainer.model).config.get_text_config().vocab_size
         state.probe = make_probe(vocab)
     probe: SyncProbe = state.probe
-    completions, engine = probe_engine(generation, probe, trainer.temperature)
+    table = state.routing[1] if state.routing is not None else None
+    if table is not None:
+        table.quiet = True  # the probe's routes are not a training batch's
+    try:
+        completions, engine = probe_engine(generation, probe, trainer.temperature)
+    finally:
+        if table is not None:
+            table.quiet = False
     trainer_lp = probe_trainer(trainer, probe, completions)
     result = judge(engine, trainer_lp, cfg.weight_sync_check_threshold, sync_index=index,
                    unsent=unsent_groups(_expected_names(trainer, generation), sent) if sent else None)
