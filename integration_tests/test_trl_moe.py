@@ -152,9 +152,30 @@ def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
     assert len(rows) >= 4  # pi_old and the loss's pi_theta, both steps
     assert all(bool(found.all()) for found, _ in rows), rows  # every row replayed the engine's routes
     assert sum(shape[0] for _, shape in rows) >= 4 * 4
+    from rollout_parity.adapters import trl as trl_adapter
+    from rollout_parity.adapters._routing import find_routers
+
+    llm, generation = trainer.vllm_generation.llm, trainer.vllm_generation
+    assert "generate" in vars(llm) and "sync_weights" in vars(generation)
+    assert trl_adapter.revert(trainer)  # everything the adapter put on the engine, TRL and the routers comes off
+    assert "generate" not in vars(llm) and "sync_weights" not in vars(generation)
+    assert not any("forward" in vars(router) for _, _, router in find_routers(trainer.model))
+    assert not trainer.model._forward_pre_hooks
     plain, error = _run(tmp_path / "plain", model, max_steps=1, routed_engine=True,  # the same eager engine
                         weight_sync_check_interval=None)
     assert error is None and not plain.vllm_generation.llm.asked_for_routes
     replayed = _steps(trainer, "rollout_correction/delta_abs_mean")[0]
     without = _steps(plain, "rollout_correction/delta_abs_mean")[0]
     assert replayed <= without, (replayed, without)
+
+
+@pytest.mark.parametrize("model, overrides, named", [
+    ("moe", dict(vllm_mode="server"), r"vllm_mode='server': TRL's server protocol returns token ids"),
+    ("moe", dict(use_vllm=False), r"moe_routing_replay=True needs the engine's routes, but use_vllm=False"),
+    ("dense", {}, r"moe_routing_replay=True but Qwen2Config is not a Mixture-of-Experts model"),
+])
+def test_routing_replay_is_refused_where_it_cannot_run(tmp_path, model, overrides, named):
+    path = build_tiny_moe_model() if model == "moe" else build_tiny_model(dtype="float32")
+    args = grpo_args(tmp_path, **{"use_vllm": True, "vllm_mode": "colocate", **overrides}, moe_routing_replay=True)
+    with pytest.raises(ValueError, match=named):  # before a model or an engine is built
+        ParityGRPOTrainer(model=path, reward_funcs=reward_distinct_chars, args=args, train_dataset=prompts_dataset())

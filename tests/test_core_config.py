@@ -92,10 +92,31 @@ def test_design_md_table_is_the_one_written_here():
      "rollout_importance_sampling_mode"),
     (dict(log_rollout_offpolicy_metrics="yes"), "log_rollout_offpolicy_metrics"),
     (dict(fp32_lm_head=1), "fp32_lm_head"),
+    (dict(weight_sync_check_interval=-1), "weight_sync_check_interval"),
+    (dict(weight_sync_check_interval=1.5), "weight_sync_check_interval"),
+    (dict(weight_sync_check_interval=True), "weight_sync_check_interval"),
+    (dict(weight_sync_check_interval="often"), "weight_sync_check_interval"),
+    (dict(weight_sync_check_threshold=0.0), "weight_sync_check_threshold"),
+    (dict(weight_sync_check_threshold=-0.1), "weight_sync_check_threshold"),
+    (dict(weight_sync_check_threshold=float("nan")), "weight_sync_check_threshold"),
+    (dict(moe_routing_replay="yes"), "moe_routing_replay"),
 ])
 def test_bad_flags_raise_naming_the_flag(flags, flag_named):
     with pytest.raises(ValueError, match=re.escape(flag_named)):
         CorrectionConfig(**flags)
+
+
+def test_sync_and_routing_flags_read_as_the_command_line_gives_them():
+    from rollout_parity.core.config import flag_from_text
+
+    cfg = CorrectionConfig(weight_sync_check_interval=flag_from_text("weight_sync_check_interval", "3"),
+                           weight_sync_check_threshold=flag_from_text("weight_sync_check_threshold", "0.01"),
+                           moe_routing_replay=flag_from_text("moe_routing_replay", "true"))
+    assert cfg.weight_sync_check_interval == 3 and type(cfg.weight_sync_check_interval) is int
+    assert cfg.weight_sync_check_threshold == 0.01 and cfg.moe_routing_replay is True
+    assert CorrectionConfig(weight_sync_check_interval=0).weight_sync_check_interval is None  # 0: off
+    assert not cfg.changes_loss and not cfg.wants_metrics  # neither touches the correction
+    assert CorrectionConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_unknown_keys_are_rejected_not_dropped():

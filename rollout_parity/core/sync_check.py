@@ -123,10 +123,10 @@ def judge(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, thresho
     """Compare the two sides on the probe's tokens (NaN entries, e.g. a short completion, are skipped);
     a non-finite logprob on one side only counts as a gap of +inf. ``unsent``: the groups the sync did not
     hand over (:func:`unsent_groups`), when the caller recorded what it sent; None when it did not."""
-    engine, trainer = engine_logprobs.double().flatten(), trainer_logprobs.double().flatten()
-    if engine.shape != trainer.shape:
+    if engine_logprobs.shape != trainer_logprobs.shape:
         raise ValueError(f"engine logprobs {tuple(engine_logprobs.shape)} and trainer logprobs "
                          f"{tuple(trainer_logprobs.shape)} disagree in shape")
+    engine, trainer = engine_logprobs.double().flatten(), trainer_logprobs.double().flatten()
     valid = ~(engine.isnan() | trainer.isnan())
     delta = (engine[valid] - trainer[valid]).abs()
     delta = torch.where(delta.isnan(), torch.zeros_like(delta), delta)  # -inf on both sides: no gap
