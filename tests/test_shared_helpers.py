@@ -156,3 +156,12 @@ def test_masked_summary_and_mean_against_plain_python():
     assert all_reduce(t, None) is t  # no group: the local batch is the batch
     with pytest.raises(RuntimeError, match="not initialised"):
         all_reduce(torch.ones(1), object())
+
+
+def test_engine_side_flags_are_refused_where_only_the_loss_is_reached():
+    from rollout_parity.adapters._refusals import refuse_engine_side_flags
+
+    refuse_engine_side_flags(CorrectionConfig(weight_sync_check_threshold=0.1), "NeMo RL's loss function")
+    for flags in (dict(weight_sync_check_interval=2), dict(moe_routing_replay=True)):
+        with pytest.raises(ValueError, match=f"{next(iter(flags))}=.*NeMo RL's loss function has no hook"):
+            refuse_engine_side_flags(CorrectionConfig(**flags), "NeMo RL's loss function")
