@@ -60,6 +60,8 @@ class RoutingReplay:
         if not self.routers:
             raise ValueError(f"moe_routing_replay: {type(model).__name__} has no MoE router to replay")
         self.used: dict[int, list[torch.Tensor]] = {}
+        self.replayed = 0  # token-layer routings taken from the given routes
+        self.changed = 0  # ... of which the router on its own would have picked other experts
         self._routes: Optional[Routes] = None
         self._cursor = 0
         self._slice: Optional[torch.Tensor] = None
@@ -83,6 +85,7 @@ class RoutingReplay:
         removes the hook."""
         self._routes, self._cursor, self._slice, self._record = routes, 0, None, record
         self.used = {layer: [] for layer, _, _ in self.routers}
+        self.replayed = self.changed = 0
         for layer, name, router in self.routers:
             patches.wrap(router, "forward", functools.partial(self._routed, layer, router), dotted=f"{name}.forward")
         self._handle = self.model.register_forward_pre_hook(self._next_rows, with_kwargs=True)
@@ -115,7 +118,11 @@ class RoutingReplay:
         if routes.shape[0] != logits.shape[0]:
             raise ValueError(f"routing replay: layer {layer} routes {routes.shape[0]} tokens, its router sees "
                              f"{logits.shape[0]}")
+        own = indices
         weights, indices = replayed_routing(logits, routes.to(logits.device), router.top_k, router.norm_topk_prob)
+        given = (routes >= 0).all(-1).to(own.device)
+        self.replayed += int(given.sum())
+        self.changed += int(((own.sort(-1).values != indices.sort(-1).values).any(-1) & given).sum())
         if self._record:
             self.used[layer].append(indices.detach().cpu())
         return logits, weights, indices
