@@ -488,6 +488,16 @@ def test_recipe_routing():
 # ----------------------------------------------------------------- construction and bad input
 
 
+@pytest.mark.parametrize("flags", [dict(weight_sync_check_interval=1), dict(moe_routing_replay=True)],
+                         ids=["sync_check", "routing_replay"])
+def test_engine_side_flags_are_refused_by_the_loss_not_dropped(nemo, flags):
+    """NeMo RL hands rollout-parity only its loss: a flag that acts on the weight sync or the routers is refused."""
+    with pytest.raises(ValueError, match=f"{next(iter(flags))}=.*NeMo RL's loss function has no hook"):
+        RolloutParityLossFn(CorrectionConfig(**flags), NO_KL)
+    with pytest.raises(ValueError, match="NeMo RL's loss function has no hook"):
+        RolloutParityLossFn.from_nemo_config({**NO_KL, "rollout_correction": flags})
+
+
 def test_refusals_name_the_keys(nemo):
     tis = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
                truncated_importance_sampling_ratio=2.0)

@@ -500,6 +500,9 @@ EVERY_FLAG = [
     (["--old_logprob_source", "bypass"], dict(old_logprob_source="bypass")),
     (["--log_rollout_offpolicy_metrics", "true"], dict(log_rollout_offpolicy_metrics=True)),
     (["--fp32_lm_head", "true"], dict(fp32_lm_head=True)),
+    (["--weight_sync_check_interval", "3"], dict(weight_sync_check_interval=3)),
+    (["--weight_sync_check_threshold", "0.2"], dict(weight_sync_check_threshold=0.2)),
+    (["--moe_routing_replay", "true"], dict(moe_routing_replay=True)),
 ]
 
 
@@ -535,6 +538,10 @@ def test_parity_vllm_engine_builds_trls_llm_with_the_recipe(monkeypatch):
     want = {**trl_kwargs, **vllm_parity_kwargs(fp32_lm_head=True, prefix_cache_policy="reset"),
             "hf_overrides": {"rope_theta": 1e6, "head_dtype": "float32"}}
     assert built[1] == recipe["kwargs"] == want and want["enable_prefix_caching"] is True
+    assert "enable_return_routed_experts" not in recipe["kwargs"]
+    with parity_vllm_engine(return_routed_experts=True) as routed:  # moe_routing_replay asks vLLM for the routes
+        vllm_generation.LLM(**trl_kwargs)
+    assert routed["kwargs"]["enable_return_routed_experts"] is True
 
 
 def test_plain_grpo_config_takes_the_flags_from_rollout_correction(tmp_path):

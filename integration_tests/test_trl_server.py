@@ -7,6 +7,9 @@ prefix-cache reset over HTTP, our weights in TRL's channel, the diagnostics in T
 weights over vLLM's NCCL weight-transfer engine, which needs CUDA; only that transfer
 (``init_communicator``, ``update_named_params``) is stubbed (``support/trl_server.py``).
 A second server with vLLM's defaults (raw logprobs, prefix caching on) is refused by name.
+The weight-sync check runs in server mode too (the probe generated through TRL's client): quiet on the
+first sync, when the server still holds the trainer's weights, and a ``WeightSyncError`` on the sync
+after an optimizer step, which the stubbed transfer never delivers (a stale server).
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
 FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2,
-             rollout_rejection=["token_k3"], rollout_rejection_threshold=[0.05], fp32_lm_head=True)
+             rollout_rejection=["token_k3"], rollout_rejection_threshold=[0.05], fp32_lm_head=True,
+             weight_sync_check_interval=1)
 
 
-def _server_args(tmp, url, **flags):
+def _server_args(tmp, url, max_steps=1, **flags):
     return grpo_args(tmp, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=60,
-                     max_steps=1, model_init_kwargs={"dtype": "bfloat16"}, **flags)
+                     max_steps=max_steps, model_init_kwargs={"dtype": "bfloat16"}, **flags)
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +60,13 @@ def served(tmp_path_factory):
                                     args=_server_args(tmp, url, **FLAGS), train_dataset=prompts_dataset())
         recorder = Recorder(trainer)
         trainer.train()
-        yield trainer, recorder, transfers, model, tmp
+        yield trainer, recorder, transfers, model, tmp, url
         recorder.close()
     patches.undo()
 
 
 def test_recipe_checked_on_the_live_server_through_trl_client(served):
-    trainer, _, transfers, _, _ = served
+    trainer, _, transfers, *_ = served
     assert trainer.rollout_parity_engine_checks == {
         "logprobs_mode": True, "async_scheduling_off": True, "prefix_caching_off": True, "fp32_lm_head": True}
     client = trainer.vllm_generation.vllm_client  # the same endpoint, read back by the test (TRL 1.15: no wrapper)
@@ -73,7 +77,7 @@ def test_recipe_checked_on_the_live_server_through_trl_client(served):
 
 
 def test_grpo_step_in_server_mode_with_the_flags(served):
-    trainer, recorder, transfers, _, _ = served
+    trainer, recorder, transfers, *_ = served
     log = [h for h in trainer.state.log_history if "loss" in h][-1]
     assert finite(log.values()) and math.isfinite(log["loss"])
     assert {"rollout_correction/kl", "rollout_correction/ess", "rollout_correction/loss_contrib_pos",
@@ -89,7 +93,7 @@ def test_grpo_step_in_server_mode_with_the_flags(served):
 
 
 def test_server_without_the_recipe_is_refused_by_name(served, caplog):
-    _, _, _, model, tmp = served
+    _, _, _, model, tmp, _ = served
     with vllm_openai_server(model, [], tmp / "vllm-defaults.log") as url:  # vLLM's defaults: raw logprobs
         with pytest.raises(ValueError, match="raw logprobs, not processed_logprobs"):
             ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=_server_args(tmp, url, **FLAGS),
@@ -103,3 +107,18 @@ def test_server_without_the_recipe_is_refused_by_name(served, caplog):
         assert "misses the parity recipe" in caplog.text
         assert all(name in caplog.text for name in ("logprobs_mode", "prefix_caching_off", "fp32_lm_head"))
         assert "trl vllm-serve --model" in caplog.text  # the command to serve it right
+
+
+def test_sync_check_in_server_mode_quiet_then_catching_the_stale_server(served):
+    trainer, _, _, model, tmp, url = served
+    first = trainer.__dict__["_rollout_parity"].sync_results
+    assert len(first) == 1 and first[0].ok and first[0].tokens == 32  # probe generated through TRL's client
+    log = [h for h in trainer.state.log_history if "weight_sync/probe_delta_abs_mean" in h][-1]
+    assert log["weight_sync/probe_delta_abs_mean"] < 0.03 and log["weight_sync/check_failed"] == 0.0
+    from rollout_parity.core.sync_check import WeightSyncError
+
+    stale = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars,
+                              args=_server_args(tmp, url, max_steps=2, **FLAGS), train_dataset=prompts_dataset())
+    with pytest.raises(WeightSyncError, match="weight sync 2: .*Every trainer parameter was sent") as caught:
+        stale.train()
+    assert caught.value.result.delta_abs_mean > 0.05

@@ -248,6 +248,9 @@ VERL_EVERY_FLAG = [
     (["+rollout_parity.old_logprob_source=bypass"], dict(old_logprob_source="bypass")),
     (["+rollout_parity.log_rollout_offpolicy_metrics=true"], dict(log_rollout_offpolicy_metrics=True)),
     (["+rollout_parity.fp32_lm_head=true"], dict(fp32_lm_head=True)),
+    (["+rollout_parity.weight_sync_check_interval=3"], dict(weight_sync_check_interval=3)),
+    (["+rollout_parity.weight_sync_check_threshold=0.2"], dict(weight_sync_check_threshold=0.2)),
+    (["+rollout_parity.moe_routing_replay=true"], dict(moe_routing_replay=True)),
     (["+rollout_parity.preset=icepop"], CorrectionConfig.preset("icepop").to_dict()),
 ]
 

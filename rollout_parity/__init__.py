@@ -34,6 +34,13 @@ _EXPORTS = {
     "WeightVersion": "rollout_parity.core.weight_update",
     "update_weights_in_flight": "rollout_parity.core.weight_update",
     "update_weights_sync": "rollout_parity.core.weight_update",
+    # weight syncs and MoE (docs/moe.md)
+    "finish_moe_weight_load": "rollout_parity.core.engine_moe",
+    "make_probe": "rollout_parity.core.sync_check",
+    "judge": "rollout_parity.core.sync_check",
+    "WeightSyncError": "rollout_parity.core.sync_check",
+    "replayed_routing": "rollout_parity.core.routing",
+    "align_routes": "rollout_parity.core.routing",
     # multi-turn
     "splice_on_policy_token_ids": "rollout_parity.core.token_ids",
     "TokenSpliceError": "rollout_parity.core.token_ids",

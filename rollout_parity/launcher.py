@@ -39,7 +39,6 @@ from rollout_parity.core.config import LIST_FLAGS, CorrectionConfig, flag_from_t
 
 __all__ = ["main", "build_parser", "install", "correction_from_args"]
 
-_BOOL_FLAGS = ("log_rollout_offpolicy_metrics", "fp32_lm_head")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"start from a correction preset ({', '.join(CorrectionConfig.available_presets())})")
     for field in dataclasses.fields(CorrectionConfig):
         help_text = field.metadata.get("help", "")
-        if field.name in _BOOL_FLAGS:
+        if isinstance(field.default, bool):  # a switch: present means true
             parser.add_argument(f"--{field.name}", action="store_true", default=None, help=help_text)
         else:  # one value each, so the script's path is never taken for a flag value; lists are comma-separated
             metavar = "A,B" if field.name in LIST_FLAGS else "VALUE"

@@ -11,7 +11,7 @@ import yaml
 
 from rollout_parity import CorrectionConfig
 # DESIGN.md's flag table written out (the naive reference's), so a clone without ../shared checks it too
-from tests.naive_reference import DEFAULTS as DESIGN_DEFAULTS
+from tests.naive_reference import DEFAULTS as DESIGN_DEFAULTS, LATER_DEFAULTS
 
 DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
 
@@ -37,9 +37,9 @@ def design_flag_table():
 
 
 def test_every_design_flag_exists_with_its_default():
-    """Always runs: CorrectionConfig's fields and defaults are exactly DESIGN.md's table."""
+    """Always runs: CorrectionConfig's fields and defaults are exactly DESIGN.md's table and the later flags."""
     fields = {f.name: f.default for f in dataclasses.fields(CorrectionConfig)}
-    assert fields == DESIGN_DEFAULTS
+    assert fields == {**DESIGN_DEFAULTS, **LATER_DEFAULTS}
     cfg = CorrectionConfig()
     assert {name: getattr(cfg, name) for name in DESIGN_DEFAULTS} == DESIGN_DEFAULTS
     assert cfg.rollout_importance_sampling_threshold == 2.0 and type(cfg.rollout_importance_sampling_threshold) is float
@@ -92,10 +92,31 @@ def test_design_md_table_is_the_one_written_here():
      "rollout_importance_sampling_mode"),
     (dict(log_rollout_offpolicy_metrics="yes"), "log_rollout_offpolicy_metrics"),
     (dict(fp32_lm_head=1), "fp32_lm_head"),
+    (dict(weight_sync_check_interval=-1), "weight_sync_check_interval"),
+    (dict(weight_sync_check_interval=1.5), "weight_sync_check_interval"),
+    (dict(weight_sync_check_interval=True), "weight_sync_check_interval"),
+    (dict(weight_sync_check_interval="often"), "weight_sync_check_interval"),
+    (dict(weight_sync_check_threshold=0.0), "weight_sync_check_threshold"),
+    (dict(weight_sync_check_threshold=-0.1), "weight_sync_check_threshold"),
+    (dict(weight_sync_check_threshold=float("nan")), "weight_sync_check_threshold"),
+    (dict(moe_routing_replay="yes"), "moe_routing_replay"),
 ])
 def test_bad_flags_raise_naming_the_flag(flags, flag_named):
     with pytest.raises(ValueError, match=re.escape(flag_named)):
         CorrectionConfig(**flags)
+
+
+def test_sync_and_routing_flags_read_as_the_command_line_gives_them():
+    from rollout_parity.core.config import flag_from_text
+
+    cfg = CorrectionConfig(weight_sync_check_interval=flag_from_text("weight_sync_check_interval", "3"),
+                           weight_sync_check_threshold=flag_from_text("weight_sync_check_threshold", "0.01"),
+                           moe_routing_replay=flag_from_text("moe_routing_replay", "true"))
+    assert cfg.weight_sync_check_interval == 3 and type(cfg.weight_sync_check_interval) is int
+    assert cfg.weight_sync_check_threshold == 0.01 and cfg.moe_routing_replay is True
+    assert CorrectionConfig(weight_sync_check_interval=0).weight_sync_check_interval is None  # 0: off
+    assert not cfg.changes_loss and not cfg.wants_metrics  # neither touches the correction
+    assert CorrectionConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_unknown_keys_are_rejected_not_dropped():
@@ -146,7 +167,7 @@ def test_required_presets_and_their_meaning(name):
     """Every flag of the preset, so an edit of its YAML shows here even where a test batch cannot tell."""
     assert name in CorrectionConfig.available_presets()
     got = CorrectionConfig.preset(name).to_dict()
-    changed = {k: v for k, v in got.items() if v != DESIGN_DEFAULTS[k]}
+    changed = {k: v for k, v in got.items() if v != {**DESIGN_DEFAULTS, **LATER_DEFAULTS}[k]}
     assert changed == PRESET_MEANING[name]
 
 

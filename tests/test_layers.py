@@ -49,7 +49,10 @@ def test_core_imports_torch_and_itself_only(path):
     assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("path", [PACKAGE / "adapters" / f"{m}.py" for m in ("_patching", "_compat", "_refusals")],
+SHARED_LAYER = ("_patching", "_compat", "_refusals", "_routing")
+
+
+@pytest.mark.parametrize("path", [PACKAGE / "adapters" / f"{m}.py" for m in SHARED_LAYER],
                          ids=lambda p: p.name)
 def test_the_shared_adapter_layer_imports_no_framework(path):
     names = _imports(path)

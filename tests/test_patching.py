@@ -41,6 +41,25 @@ def test_wrapper_keeps_the_original_reachable_and_marks_itself():
     assert getattr(w, MARK) is True and is_ours(w) and not is_ours(f)
 
 
+def test_a_coroutine_function_gets_a_coroutine_wrapper_with_its_attributes():
+    """verl dispatches on ``inspect.iscoroutinefunction`` and reads what ``@register`` set on the method."""
+    import asyncio
+    import inspect
+
+    async def f(x):
+        return 2 * x
+
+    f.dispatch = "ONE_TO_ALL"
+
+    async def plus_one(original, *args):
+        return await original(*args) + 1
+
+    w = wrapper(f, plus_one)
+    assert inspect.iscoroutinefunction(w) and w.__wrapped__ is f and w.dispatch == "ONE_TO_ALL" and is_ours(w)
+    assert asyncio.run(w(3)) == 7
+    assert not inspect.iscoroutinefunction(wrapper(lambda x: x, _plus_one))
+
+
 def test_revert_removes_what_the_owner_did_not_hold_itself():
     patches = Patches()
     patches.wrap(Child, "value", _plus_one, dotted="Child.value")
@@ -103,6 +122,19 @@ def _make_package(tmp_path, name: str) -> None:
 
         class Engine:
             def step(self, x):
+                return x
+
+        def register(fn):  # the framework's own decorator (verl's @register)
+            import functools
+
+            @functools.wraps(fn)
+            def inner(*args, **kwargs):
+                return fn(*args, **kwargs)
+            return inner
+
+        class Worker:
+            @register
+            def update(self, x):
                 return x
     """))
     (pkg / "caller.py").write_text(f"from {name}.defs import f\n")
@@ -184,3 +216,25 @@ def test_a_patcher_of_lazy_points_only_is_applied_while_it_watches(package):
     finally:
         patcher.revert()
     assert not patcher.is_applied()
+
+
+def test_the_framework_s_own_decorator_is_not_a_foreign_wrapper(package):
+    """verl decorates its worker methods (``@register``); wrapping them is wrapping verl, not stacking on a
+    stranger. A wrapper from outside the framework's package is still refused."""
+    import importlib
+
+    defs = importlib.import_module(f"{package}.defs")
+    registered = defs.Worker.__dict__["update"]
+    patches = Patches()
+    patched = patches.wrap(defs.Worker, "update", _plus_one, dotted="defs.Worker.update")
+    assert defs.Worker().update(1) == 2 and patched.__wrapped__ is registered
+    patches.revert()
+    assert defs.Worker.__dict__["update"] is registered
+
+    @functools.wraps(registered)
+    def someone_elses(*a):
+        return registered(*a)
+
+    defs.Worker.update = someone_elses
+    with pytest.raises(RuntimeError, match="refusing to stack"):
+        Patches().wrap(defs.Worker, "update", _plus_one, dotted="defs.Worker.update")

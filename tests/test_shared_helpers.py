@@ -174,6 +174,9 @@ LAUNCH_EVERY_FLAG = [
     (["--old_logprob_source", "bypass"], dict(old_logprob_source="bypass")),
     (["--log_rollout_offpolicy_metrics"], dict(log_rollout_offpolicy_metrics=True)),
     (["--fp32_lm_head"], dict(fp32_lm_head=True)),
+    (["--weight_sync_check_interval", "3"], dict(weight_sync_check_interval=3)),
+    (["--weight_sync_check_threshold", "0.2"], dict(weight_sync_check_threshold=0.2)),
+    (["--moe_routing_replay"], dict(moe_routing_replay=True)),
 ]
 
 
@@ -185,3 +188,12 @@ def test_every_shared_flag_on_the_launch_command_line(argv, flags):
     assert correction_from_args(args) == CorrectionConfig(**flags) != CorrectionConfig()
     assert args.target == ["script.py", "--old_logprob_source", "the script's"]  # the script's own, untouched
     assert {k for _, f in LAUNCH_EVERY_FLAG for k in f} == set(CorrectionConfig.field_names())
+
+
+def test_engine_side_flags_are_refused_where_only_the_loss_is_reached():
+    from rollout_parity.adapters._refusals import refuse_engine_side_flags
+
+    refuse_engine_side_flags(CorrectionConfig(weight_sync_check_threshold=0.1), "NeMo RL's loss function")
+    for flags in (dict(weight_sync_check_interval=2), dict(moe_routing_replay=True)):
+        with pytest.raises(ValueError, match=f"{next(iter(flags))}=.*NeMo RL's loss function has no hook"):
+            refuse_engine_side_flags(CorrectionConfig(**flags), "NeMo RL's loss function")

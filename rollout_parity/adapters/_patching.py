@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.abc
+import importlib.util
+import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -47,9 +49,17 @@ def mark(fn: Callable) -> Callable:
 def wrapper(original: Callable, behaviour: Callable) -> Callable:
     """``functools.wraps(original)`` around ``behaviour(original, *args, **kwargs)``, marked.
 
-    A class (a module global such as TRL's ``LLM``) lends its names, not its namespace.
+    A class (a module global such as TRL's ``LLM``) lends its names, not its namespace. A coroutine
+    function gets a coroutine function (``behaviour`` is then ``async`` too), so frameworks that
+    dispatch on ``inspect.iscoroutinefunction`` (verl's worker groups) still see one.
     """
     updated = () if isinstance(original, type) else functools.WRAPPER_UPDATES
+    if inspect.iscoroutinefunction(original):
+        @functools.wraps(original, updated=updated)
+        async def patched_async(*args: Any, **kwargs: Any) -> Any:
+            return await behaviour(original, *args, **kwargs)
+
+        return mark(patched_async)
 
     @functools.wraps(original, updated=updated)
     def patched(*args: Any, **kwargs: Any) -> Any:
@@ -67,12 +77,23 @@ def owner_and_name(root: Any, attr: str) -> tuple[Any, str]:
     return owner, name
 
 
+def _own_decorator(owner: Any, current: Any) -> bool:
+    """A wrapper the framework put on its own method at definition time (verl's ``@register``): its code lives
+    in the owner's top-level package, which is not someone else's patch."""
+    module = owner.__name__ if isinstance(owner, types.ModuleType) else getattr(owner, "__module__", "")
+    spec = importlib.util.find_spec(module.split(".")[0]) if module else None
+    roots = list(getattr(spec, "submodule_search_locations", None) or [])
+    code = getattr(current, "__code__", None)
+    return code is not None and any(code.co_filename.startswith(root.rstrip("/") + "/") for root in roots)
+
+
 def _foreign(owner: Any, name: str, current: Any) -> bool:
     """Someone else's replacement sits at ``owner.name`` (stacking on it would corrupt both reverts)."""
     if is_ours(current):
         return False
     if isinstance(owner, (types.ModuleType, type)):
-        return isinstance(current, types.FunctionType) and getattr(current, "__wrapped__", None) is not None
+        return isinstance(current, types.FunctionType) and getattr(current, "__wrapped__", None) is not None \
+            and not _own_decorator(owner, current)
     return name in vars(owner)  # an instance holding its own value overrides its class's method
 
 

@@ -12,8 +12,8 @@ from typing import Any, Callable, Mapping, Optional
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
 
-__all__ = ["SAMPLER_PENALTIES", "HEAD_MODIFIERS", "needs_rollout_logprobs", "active_penalties", "head_modifiers",
-           "refuse_unmatched_sampler", "describe_flags"]
+__all__ = ["SAMPLER_PENALTIES", "HEAD_MODIFIERS", "ENGINE_SIDE_FLAGS", "needs_rollout_logprobs", "active_penalties",
+           "head_modifiers", "refuse_unmatched_sampler", "refuse_engine_side_flags", "describe_flags"]
 
 #: vLLM ``SamplingParams`` that change its processed logprobs in ways no trainer log-prob reproduces.
 SAMPLER_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
@@ -22,6 +22,8 @@ SAMPLER_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalt
 HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
                   "logits_scaling")
 _NEUTRAL = (None, 1, 1.0, 0, 0.0, [], {}, ())
+#: Flags that act on the framework's weight sync or its model's routers, not on the loss (docs/moe.md).
+ENGINE_SIDE_FLAGS = ("weight_sync_check_interval", "moe_routing_replay")
 
 
 def _items(values: Mapping[str, Any]) -> str:
@@ -74,3 +76,13 @@ def refuse_unmatched_sampler(cfg: CorrectionConfig, sampler: SamplerSettings, *,
         raise ValueError(f"top_k={sampler.top_k}, top_p={sampler.top_p}, min_p={sampler.min_p} with a head that has "
                          f"{_items(modifiers)}: the sampler-aware r_corr renormalises a plain linear head's logits, "
                          "not scaled or soft-capped ones")
+
+
+def refuse_engine_side_flags(cfg: CorrectionConfig, where: str) -> None:
+    """For an adapter that reaches only the loss (``where`` says which, e.g. NeMo RL's loss function): the
+    weight-sync check and routing replay need a hook on the framework's sync or its routers, so a set flag
+    is refused by name instead of being dropped."""
+    for flag in ENGINE_SIDE_FLAGS:
+        if getattr(cfg, flag):
+            raise ValueError(f"{flag}={getattr(cfg, flag)!r}: {where} has no hook on the weight sync or the model's "
+                             "routers, where this flag acts (TRL and verl have them: docs/moe.md)")

@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 ThresholdSpec = Union[float, str, Sequence[float]]
+#: Default of ``weight_sync_check_threshold`` (mean |delta logprob| on the sync probe); docs/moe.md, "The sync
+#: check", gives the healthy and broken levels it sits between.
+WEIGHT_SYNC_CHECK_THRESHOLD = 0.05
 #: Flags that take a list (a comma-separated string on a command line).
 LIST_FLAGS = ("rollout_rejection", "rollout_rejection_threshold")
 _NULL_TEXT = ("", "none", "null")
@@ -225,6 +228,15 @@ class CorrectionConfig:
     log_rollout_offpolicy_metrics: bool = field(
         default=False, metadata={"help": "log the diagnostics without changing the loss"})
     fp32_lm_head: bool = field(default=False, metadata={"help": "final projection in fp32 on trainer and vLLM"})
+    weight_sync_check_interval: Optional[int] = field(
+        default=None, metadata={"help": "check every N-th weight sync (the first included) by scoring a fixed probe "
+                                         "on the engine and the trainer; null or 0: off"})
+    weight_sync_check_threshold: float = field(
+        default=WEIGHT_SYNC_CHECK_THRESHOLD, metadata={"help": "mean |delta logprob| on the sync probe above which a "
+                                                                "checked sync is an error"})
+    moe_routing_replay: bool = field(
+        default=False, metadata={"help": "MoE: the trainer's pi_old and pi_theta forwards route each token through "
+                                         "the experts the engine routed it to (R3)"})
 
     def __post_init__(self) -> None:
         mode = self.rollout_importance_sampling_mode
@@ -289,7 +301,20 @@ class CorrectionConfig:
                 f"{mode!r} conflicts with old_logprob_source='bypass': pi_old is then pi_rollout, the PPO ratio "
                 "already is pi_theta/pi_rollout and no r_corr exists (an IS weight would count the mismatch twice)",
             )
-        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head"):
+        interval = self.weight_sync_check_interval
+        if interval is not None:
+            whole = not isinstance(interval, bool) and float(self._number("weight_sync_check_interval", interval)).is_integer()
+            if not whole:
+                raise _flag_error("weight_sync_check_interval", f"must be a whole number >= 0 or null, got {interval!r}")
+            interval = int(interval)
+            if interval < 0:
+                raise _flag_error("weight_sync_check_interval", f"must be >= 0 or null, got {interval}")
+            object.__setattr__(self, "weight_sync_check_interval", interval or None)
+        sync_threshold = self._number("weight_sync_check_threshold", self.weight_sync_check_threshold)
+        if not sync_threshold > 0:
+            raise _flag_error("weight_sync_check_threshold", f"must be > 0, got {sync_threshold}")
+        object.__setattr__(self, "weight_sync_check_threshold", sync_threshold)
+        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head", "moe_routing_replay"):
             if not isinstance(getattr(self, flag), bool):
                 raise _flag_error(flag, f"must be a bool, got {getattr(self, flag)!r}")
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from rollout_parity.adapters._refusals import refuse_engine_side_flags
 from rollout_parity.adapters.nemo_rl import diagnostics
 from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, GUARD_KEY, as_dict, split_loss_config
 from rollout_parity.adapters.nemo_rl.versions import nemo_loss_names
@@ -64,6 +65,7 @@ class RolloutParityLossFn:
                             f"got {type(correction).__name__}")
         if metrics not in ("nemo", "local"):
             raise ValueError(f"metrics: expected 'nemo' or 'local', got {metrics!r}")
+        refuse_engine_side_flags(correction, "NeMo RL's loss function")
         keys = as_dict(nemo_config)
         if set(keys) & {BLOCK_KEY, GUARD_KEY}:
             raise ValueError(f"nemo_config carries loss_fn.{BLOCK_KEY}: build from the whole block with "

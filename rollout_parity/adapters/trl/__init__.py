@@ -13,6 +13,8 @@ The rooms, in the order a run meets them:
 * ``engine``      TRL's vLLM engine on the parity recipe (built with it, or checked against it);
 * ``generation``  hand over: the correction once per generation batch, into TRL's channels;
 * ``diagnostics`` the metrics only TRL's loss can see, from a pass-through;
+* ``sync``        TRL's weight sync: fused-MoE layers completed, the optional sync check;
+* ``routing``     ``moe_routing_replay``: the policy routes as TRL's engine did;
 * ``patches``     ``apply``, ``revert``, ``is_applied`` on one trainer, through ``adapters/_patching.py``;
 * ``trainer``     ``ParityGRPOTrainer``.
 

@@ -43,6 +43,9 @@ class ParityGRPOConfig(GRPOConfig):
     old_logprob_source: str = _shared_field("old_logprob_source")
     log_rollout_offpolicy_metrics: bool = _shared_field("log_rollout_offpolicy_metrics")
     fp32_lm_head: bool = _shared_field("fp32_lm_head")
+    weight_sync_check_interval: Optional[int] = _shared_field("weight_sync_check_interval")
+    weight_sync_check_threshold: float = _shared_field("weight_sync_check_threshold")
+    moe_routing_replay: bool = _shared_field("moe_routing_replay")
 
     def __post_init__(self) -> None:
         for name in CorrectionConfig.field_names():

