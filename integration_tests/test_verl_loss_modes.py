@@ -30,6 +30,7 @@ from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 
 from rollout_parity.adapters import verl as adapter  # noqa: E402,F401 (importing it applies the patches)
 from integration_tests.support.verl_equivalent import verl_equivalent  # noqa: E402
+from rollout_parity import CorrectionConfig  # noqa: E402
 from rollout_parity.check.verl_checks import call_verl_loss  # noqa: E402
 
 from rollout_parity.check.shared_batch import all_config_names, config_for, make_shared_batch  # noqa: E402
@@ -177,3 +178,30 @@ def test_policy_metrics_through_verls_ppo_loss_mean_what_verls_mean(mode, flags)
     symmetric, _ = _naive_clip_fractions(mode, old, cur, advantages, kept, low=0.2, high=0.2)
     assert abs(symmetric - frac) > 1e-3, "the batch does not tell the asymmetric range from the default one"
     assert not {"policy/pg_clipfrac", "policy/pg_clipfrac_lower"} & set(logged)
+
+
+@pytest.mark.parametrize("mode, clamped, own", [("vanilla", True, True), ("gspo", False, True), ("gpg", True, False)])
+def test_ppo_kl_is_each_losss_own_and_vanillas_where_a_loss_has_none(mode, clamped, own, flags, actor_config):
+    """A kept token 30 nats off: verl's vanilla clamps log r to +-20 in its actor/ppo_kl, gspo does not, and gpg
+    reports none. ``policy/ppo_kl`` is the loss's own number where it has one (seen in a real main_ppo run, where
+    gspo's unclamped value differed from a clamped copy), and vanilla's clamped mean over the kept tokens where not."""
+    flags(CorrectionConfig(log_rollout_offpolicy_metrics=True))
+    batch = make_shared_batch()
+    mask = batch.response_mask.clone()
+    far = mask.nonzero()[0].tolist()
+    old = batch.old_logprobs.clone()
+    old[far[0], far[1]] = batch.current_logprobs[far[0], far[1]] + 30.0  # log r = -30 on one kept token
+    current = batch.fresh_current()
+    config = verl_actor_config(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}")
+    config.global_batch_info.clear()
+    loss_fn = core_algos.get_policy_loss_fn(mode)
+    _, metrics = loss_fn(old_log_prob=old, log_prob=current, advantages=batch.advantages[:, None] * mask,
+                         response_mask=mask.bool(), loss_agg_mode="token-mean", config=config)
+    log_r = (batch.current_logprobs - old).clamp(-20.0, 20.0) if clamped else batch.current_logprobs - old
+    expected = (-log_r)[mask.bool()].mean().item()
+    assert metrics["policy/ppo_kl"] == pytest.approx(expected, rel=1e-5)
+    assert ("actor/ppo_kl" in metrics) is own
+    if own:
+        assert metrics["policy/ppo_kl"] == pytest.approx(float(metrics["actor/ppo_kl"]), rel=1e-6)
+    unclamped = (-(batch.current_logprobs - old))[mask.bool()].mean().item()
+    assert (abs(unclamped - expected) > 1e-3) is clamped  # the batch tells the two formulas apart

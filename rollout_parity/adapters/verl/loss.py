@@ -107,7 +107,8 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
             # 0 by 0. DESIGN.md's neutral result instead: a zero loss that still backpropagates.
             loss = cur.sum() * 0.0
             metrics = {k: 0.0 if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        sums = _policy_metric_sums(old, cur, mask, side_mask, nonfinite, side, bypass_in_loss)
+        own_kl = metrics.get("actor/ppo_kl")  # verl's, over the mask we handed the loss, by the loss's own formula
+        sums = _policy_metric_sums(old, cur, mask, side_mask, nonfinite, side, bypass_in_loss, own_kl)
         _loss_sums.set(sums)
         metrics.update({name: value / max(n, 1.0) for name, (value, n, _) in sums.items()})
         return loss, metrics
@@ -116,7 +117,7 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
 
 
 def _policy_metric_sums(old, cur, mask, side_mask, nonfinite_valid, side,
-                        bypass_in_loss) -> dict[str, tuple[float, float, str]]:
+                        bypass_in_loss, own_kl=None) -> dict[str, tuple[float, float, str]]:
     """The loss-side metrics as ``{name: (local sum, local count, kind)}``.
 
     ``kind`` names verl's global normaliser a sum is divided by: ``token`` or ``seq``; ``mean``
@@ -124,8 +125,9 @@ def _policy_metric_sums(old, cur, mask, side_mask, nonfinite_valid, side,
     it averages its own ``actor/ppo_kl``. ``mask`` is what the loss trained on; ``side_mask`` what
     the core's diagnostics read.
 
-    ``policy/ppo_kl`` is verl's ``actor/ppo_kl`` (``masked_mean(-log r, mask)``, log r = log pi_theta -
-    log pi_old clamped to +-20) over the tokens the loss kept, for every loss mode. The clip
+    ``policy/ppo_kl`` is verl's ``actor/ppo_kl`` over the tokens the loss kept, for every loss mode: the
+    loss's own value where it reports one (each loss has its own formula: gspo does not clamp log r), else
+    vanilla's ``masked_mean(-log r, mask)`` with log r clamped to +-20 (gpg, a loss the user registered). The clip
     fractions are the loss's own (``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``): each verl loss
     computes them over the mask handed to it, with its own ratio (gspo's sequence ratio) and the
     clip range it reads from verl's config; a token-level copy next to them would say something else.
@@ -135,10 +137,11 @@ def _policy_metric_sums(old, cur, mask, side_mask, nonfinite_valid, side,
         return float((m.sum(-1) > 0).sum()) if seq else float(m.sum())
 
     n_kept, n_side = count(mask), count(side_mask)
-    with torch.no_grad():
-        log_ratio = (cur.detach().to(torch.float32) - old.to(torch.float32)).clamp(-20.0, 20.0)
-        kl_sum = float((-log_ratio * mask.to(torch.float32)).sum())
-    sums = {"policy/ppo_kl": (kl_sum / max(n_kept, 1.0), 1.0, "mean")}
+    if own_kl is None:
+        with torch.no_grad():
+            log_ratio = (cur.detach().to(torch.float32) - old.to(torch.float32)).clamp(-20.0, 20.0)
+            own_kl = float((-log_ratio * mask.to(torch.float32)).sum()) / max(n_kept, 1.0)
+    sums = {"policy/ppo_kl": (float(own_kl), 1.0, "mean")}
     n_valid = count(side_mask.bool() | nonfinite_valid)  # every valid token, trainable or not
     sums["policy/nonfinite_frac"] = (float(nonfinite_valid.sum()), n_valid, "token")
     if side is not None:
