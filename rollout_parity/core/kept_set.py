@@ -12,10 +12,14 @@ of tokens). On the ``m`` candidates, in float64, in vLLM's order:
   is below ``top_p``: vLLM keeps position ``i`` of the ascending order when its cumulative sum
   exceeds ``1 - top_p``, and that ascending sum is one minus the mass ranked above ``i``.
 
-A row is settled when the last candidate is dropped (the cut lies inside the candidates) and the first
-dropped candidate is not tied with the last kept one (vLLM breaks top-p ties by its sort's order).
-Other rows (a flat distribution, a wide top-k) are reported for the exact, sorting path
-(``processed_logits``). The sums differ from vLLM's float32 ascending cumsum only by rounding, so a
+A row is settled when the cut lies inside the candidates and the first dropped candidate is not
+tied with the last kept one (vLLM breaks top-p ties by its sort's order). :func:`settle_kept_sets`
+settles first the rows whose most likely token alone holds ``top_p`` (one ``amax`` pass: the
+kept set is that token; 72% of the doctor's top-p positions), then tries the 32 and the 1024
+largest (``torch.topk``) on the rows still open. What is still open (a nearly flat row, top-p
+ties) takes the exact, sorting path (``processed_logits``). Measured on this CPU (2 threads,
+V = 32768, 1024 rows): ``amax`` 0.016 s, ``topk(32)`` 0.09 s, a sort 2.7 s, the head's matmul at
+H = 1024 0.54-0.66 s; bool reductions over (rows, V) cost more than ``topk`` and were dropped. The sums differ from vLLM's float32 ascending cumsum only by rounding, so a
 kept set can differ from vLLM's only where the cumulative mass sits within ~1e-7 of the threshold.
 """
 
@@ -25,53 +29,95 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CANDIDATES", "kept_log_mass", "replayed_log_mass"]
+__all__ = ["CANDIDATES", "kept_log_mass", "replayed_log_mass", "settle_kept_sets"]
 
-#: Candidates per row of the fast path (a top-k of ``k`` needs ``k + 1``).
+#: Candidates per row of the first top-k stage (a top-k of ``k`` needs ``k + 1``).
 CANDIDATES = 32
+_WIDE = 1024  # candidates of the second top-k stage
+_BLOCK = 256  # rows of one open block
+
+
+def _limit(top_p: float) -> float:
+    """vLLM drops a position when its float32 cumsum <= 1 - top_p (formed in float32): keep above < this."""
+    return 1.0 - float(torch.tensor(1.0, dtype=torch.float32) - torch.tensor(top_p, dtype=torch.float32))
+
+
+def _on_candidates(vals: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float, whole: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's filters on each row's candidates ``vals`` (rows, m), sorted descending, -inf padded.
+
+    Every non-candidate ranks below every candidate. ``whole``: the candidates are the whole row.
+    Returns ``(log_s, smallest, settled)``.
+    """
+    rows, m = vals.shape
+    p = vals.double().exp()
+    keep = ~torch.isneginf(vals)
+    if min_p > 0.0:
+        keep &= p >= p[:, :1] * min_p
+    if top_k:
+        keep &= vals >= vals[:, top_k - 1:top_k]
+    settled = torch.ones(rows, dtype=torch.bool, device=vals.device)
+    if not whole and (min_p > 0.0 or top_k):
+        settled &= ~keep[:, -1]  # beyond the candidates, unknown survivors would join the renormalisation
+    if top_p < 1.0:
+        survivors = (p * keep).sum(-1, keepdim=True) if (min_p > 0.0 or top_k) else p.new_ones(rows, 1)
+        q = p * keep / survivors
+        above = q.cumsum(-1) - q
+        keep &= above < _limit(top_p)
+        keep[:, 0] = True  # the largest always survives
+        if not whole:  # the cut lies inside: the kept mass reached the limit (the next token is dropped)
+            settled &= (q * keep).sum(-1) >= _limit(top_p)
+    n = keep.sum(-1)
+    smallest = vals.gather(-1, (n - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    first_dropped = vals.gather(-1, n.clamp_max(m - 1).unsqueeze(-1)).squeeze(-1)
+    settled &= (n >= m) | (first_dropped != smallest)
+    return (p * keep).sum(-1).log(), smallest, settled
 
 
 def kept_log_mass(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float,
                   candidates: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of full log-probabilities ``lp`` (rows, V; temperature applied): the kept set's log mass.
-
-    Returns ``(log_s, smallest, settled)``: float64 ``log S`` of the kept set, the smallest kept
-    log-probability (a token is kept iff its log-probability is ``>=`` it), and a bool mask of the
-    rows the candidates settle; the other rows' values are meaningless (use the exact path).
-    """
+    """Per row of full log-probabilities ``lp`` (rows, V; temperature applied), from its ``candidates``
+    largest: ``(log_s, smallest, settled)``: float64 ``log S`` of the kept set, the smallest kept
+    log-probability (a token is kept iff its log-probability is ``>=`` it), and the rows the
+    candidates settle; the other rows' values are meaningless."""
     rows, vocab = lp.shape
     k = top_k if top_k is not None and 0 < top_k < vocab else None
     m = min(vocab, max(candidates, k + 1 if k else 0))
-    vals = lp.topk(m, dim=-1).values  # sorted descending
-    p = vals.double().exp()
-    keep = torch.ones_like(p, dtype=torch.bool)
-    if min_p > 0.0:
-        keep &= p >= p[:, :1] * min_p
-    if k:
-        keep &= vals >= vals[:, k - 1:k]
-    whole = m == vocab
-    settled = torch.ones(rows, dtype=torch.bool, device=lp.device)
+    return _on_candidates(lp.topk(m, dim=-1).values, k, top_p, min_p, whole=m == vocab)
+
+
+def settle_kept_sets(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept set's ``(log_s, smallest, settled)`` for every row, through the fast stages.
+
+    First the rows whose most likely token alone holds ``top_p`` (then it is the whole kept set, whatever
+    min-p and top-k did first: a single row maximum), then :func:`kept_log_mass` with 32 and with 1024
+    candidates, each on the rows still open, a block of at most 256 rows at a time (a copy of a quarter
+    chunk at most). ``settled`` False: take the sorting path.
+    """
+    rows, vocab = lp.shape
+    dev = lp.device
+    k = top_k if top_k is not None and 0 < top_k < vocab else None
+    log_s = torch.zeros(rows, dtype=torch.float64, device=dev)
+    smallest = torch.zeros(rows, dtype=lp.dtype, device=dev)
+    done = torch.zeros(rows, dtype=torch.bool, device=dev)
+    open_rows = torch.arange(rows, device=dev)
     if top_p < 1.0:
-        if min_p > 0.0 or k:
-            # the survivors' mass is known only when they all lie among the candidates
-            settled &= ~keep[:, -1] | whole
-            survivors = (p * keep).sum(-1, keepdim=True)
-        else:
-            survivors = p.new_ones(rows, 1)  # lp is normalised: the survivors are the whole vocabulary
-        q = p * keep / survivors
-        above = q.cumsum(-1) - q
-        # vLLM drops a position when its float32 cumsum <= 1 - top_p (1 - top_p formed in float32)
-        limit = 1.0 - float(torch.tensor(1.0, dtype=torch.float32) - torch.tensor(top_p, dtype=torch.float32))
-        keep &= above < limit
-        keep[:, 0] = True  # the largest always survives
-    settled &= ~keep[:, -1] | whole
-    n = keep.sum(-1)
-    last = (n - 1).clamp_min(0).unsqueeze(-1)
-    smallest = vals.gather(-1, last).squeeze(-1)
-    first_dropped = vals.gather(-1, n.clamp_max(m - 1).unsqueeze(-1)).squeeze(-1)
-    settled &= (n >= m) | (first_dropped != smallest)
-    log_s = (p * keep).sum(-1).log()
-    return log_s, smallest, settled
+        peak = lp.amax(-1)
+        alone = peak.double().exp() >= _limit(top_p)  # the mass ranked above the second token reaches the limit
+        log_s[alone], smallest[alone], done[alone] = peak[alone].double(), peak[alone], True
+        open_rows = open_rows[~alone]
+    for candidates in (CANDIDATES, _WIDE):
+        still = []
+        for block in open_rows.split(_BLOCK):
+            a, b, ok = kept_log_mass(lp[block], k, top_p, min_p, candidates)
+            idx = block[ok]
+            log_s[idx], smallest[idx], done[idx] = a[ok], b[ok], True
+            still.append(block[~ok])
+        open_rows = torch.cat(still) if still else open_rows
+        if open_rows.numel() == 0:
+            break
+    return log_s, smallest, done
 
 
 def replayed_log_mass(lp: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,

@@ -65,7 +65,7 @@ import torch
 
 from .distributed import all_reduce
 from .fp32_logprobs import _logits_into, _softmax_rows_
-from .kept_set import kept_log_mass, replayed_log_mass
+from .kept_set import replayed_log_mass, settle_kept_sets
 from .ratios import check_shapes
 from .replay import KeptSets
 
@@ -456,11 +456,12 @@ def _processed_chunk(lp: torch.Tensor, y: torch.Tensor, lp_y: torch.Tensor, top_
         proc[rest] = lp_y64[rest]  # greedy, or no filter: nothing to renormalise
         return proc.float(), miss
     sub = lp if rest.numel() == rows else lp[rest]
-    log_s, smallest, settled = kept_log_mass(sub, top_k, top_p, min_p)
-    y_sub = lp_y64[rest]
-    inside = y_sub >= smallest.double()
-    proc[rest] = _with_rule(y_sub, log_s, inside, keep_sampled)
-    miss[rest] = ~inside
+    log_s, smallest, settled = settle_kept_sets(sub, top_k, top_p, min_p)
+    done = rest[settled]
+    y_sub = lp_y64[done]
+    inside = y_sub >= smallest[settled].double()
+    proc[done] = _with_rule(y_sub, log_s[settled], inside, keep_sampled)
+    miss[done] = ~inside
     hard = rest[~settled]
     if hard.numel():  # the candidates did not settle these rows: vLLM's sorting path
         x = processed_logits(lp[hard], 1.0, top_k, top_p, min_p)
