@@ -46,6 +46,7 @@ DEFAULTS = {
     "old_logprob_source": "recompute",
     "log_rollout_offpolicy_metrics": False,
     "fp32_lm_head": False,
+    "rollout_sampling_replay": False,
 }
 
 

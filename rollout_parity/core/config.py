@@ -218,6 +218,9 @@ class CorrectionConfig:
     log_rollout_offpolicy_metrics: bool = field(
         default=False, metadata={"help": "log the diagnostics without changing the loss"})
     fp32_lm_head: bool = field(default=False, metadata={"help": "final projection in fp32 on trainer and vLLM"})
+    rollout_sampling_replay: bool = field(
+        default=False, metadata={"help": "vLLM returns each token's kept set (return_sampling_mask, Model Runner V2; "
+                                         "needs top_k > 0) and pi_old is renormalised over exactly it"})
 
     def __post_init__(self) -> None:
         mode = self.rollout_importance_sampling_mode
@@ -282,7 +285,7 @@ class CorrectionConfig:
                 f"{mode!r} conflicts with old_logprob_source='bypass': pi_old is then pi_rollout, the PPO ratio "
                 "already is pi_theta/pi_rollout and no r_corr exists (an IS weight would count the mismatch twice)",
             )
-        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head"):
+        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head", "rollout_sampling_replay"):
             if not isinstance(getattr(self, flag), bool):
                 raise _flag_error(flag, f"must be a bool, got {getattr(self, flag)!r}")
 

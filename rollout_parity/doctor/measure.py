@@ -241,18 +241,19 @@ def _lengths(cfg: Any, rows: list[dict[str, Any]], tensors: Mapping[str, tuple],
     """The rejection advice at the user's length, every row's predicted dropped share there, and the scan."""
     measured = opts.max_tokens
     parity = {name: tensors[name] for name in PARITY_ROWS if name in tensors}
-    advice = fit_rejection(cfg, parity, measured, opts.response_length, seed=opts.seed)
+    advice = fit_rejection(cfg, parity, measured, opts.response_length, seed=opts.seed, group=opts.samples)
     if opts.response_length is not None:
         for row in rows:  # the evaluated flags at the user's length, by the full correction on pseudo-answers
             t = tensors[row["row"]]
-            at = t if opts.response_length == measured else resample(t, opts.response_length, seed=opts.seed)
+            at = t if opts.response_length == measured else resample(t, opts.response_length, seed=opts.seed,
+                                                                      group=opts.samples)
             row["rejected_seq_frac_at_length"] = dropped_share(cfg, at)
     options = []
     rule = cfg.rejection_rules[0] if len(cfg.rejection_rules) == 1 else None
     if rule is not None and rule.estimator != "k1":
         options = [f"seq_sum_{rule.estimator}", f"seq_mean_{rule.estimator}"]
     lengths = sorted({measured, *([opts.response_length] if opts.response_length else [])})
-    scan = length_scan(options, parity, measured, lengths, seed=opts.seed) if options else []
+    scan = length_scan(options, parity, measured, lengths, seed=opts.seed, group=opts.samples) if options else []
     return {"measured": measured, "response_length": opts.response_length, "parity_rows": sorted(parity),
             "advice": advice, "scan": scan}
 
@@ -322,6 +323,8 @@ def _row(spec: RowSpec, cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any, p
         "delta_abs_max": float(d[finite].abs().max()) if finite.any() else float("nan"),
         "delta_mean": float(d[finite].mean()) if finite.any() else float("nan"),
         "outside_frac": float(outside[valid].mean()) if outside is not None and n_tokens else 0.0,
+        # sequences holding such a token: each one a strict -inf (log-ratio -20, K3 ~19) would have rejected
+        "outside_sequences": int((outside * mask).sum(-1).gt(0).sum()) if outside is not None else 0,
         "nonfinite_tokens": int((~finite).sum()),
         # From compute_correction under the evaluated flags (--preset, --set).
         **{k: m.get(k, float("nan")) for k in ("kl", "k3_kl", "ess", "clipped_frac", "rejected_token_frac",

@@ -43,6 +43,7 @@ class ParityGRPOConfig(GRPOConfig):
     old_logprob_source: str = _shared_field("old_logprob_source")
     log_rollout_offpolicy_metrics: bool = _shared_field("log_rollout_offpolicy_metrics")
     fp32_lm_head: bool = _shared_field("fp32_lm_head")
+    rollout_sampling_replay: bool = _shared_field("rollout_sampling_replay")
 
     def __post_init__(self) -> None:
         for name in CorrectionConfig.field_names():
