@@ -819,6 +819,20 @@ def test_sampler_metrics_name_the_boundary_tokens_and_the_kept_mass(flags):
     assert metrics["rollout_correction/nonfinite_frac"] == pytest.approx(1 / n)
     assert metrics["rollout_correction/delta_abs_mean"] == pytest.approx((20.0 + 1e-3 * (n - 1)) / n, rel=1e-4)
 
+    # The actor's pass as it runs: the boundary rule gives the missed token a finite processed logprob and
+    # the pass says where it applied (OUTSIDE_FIELD): counted, and compared like any other token.
+    ruled = old - log_s
+    outside = torch.zeros_like(mask)
+    outside[0, 0] = 1.0
+    proto = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": ruled + 1e-3,
+                                         "response_mask": mask, adapter.PROCESSED_FIELD: ruled,
+                                         adapter.OUTSIDE_FIELD: outside})
+    _, metrics = adapter.driver_correction(proto)
+    assert metrics["rollout_correction/sampler_outside_kept_frac"] == pytest.approx(1 / n)
+    assert metrics["rollout_correction/nonfinite_frac"] == 0.0
+    assert metrics["rollout_correction/delta_abs_mean"] == pytest.approx(1e-3, rel=1e-3)
+    assert metrics["rollout_correction/sampler_log_kept_mass"] == pytest.approx(log_s[valid].mean().item(), abs=1e-6)
+
 
 def _driver_step(case):
     # verl imports the adapter first, as in a run (verl 0.8 has no plugin entry points: the env variable)

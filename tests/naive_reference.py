@@ -48,6 +48,8 @@ DEFAULTS = {
     "fp32_lm_head": False,
     "rollout_sampling_replay": False,
 }
+#: Flags added under DESIGN.md's "Flags beyond the first set" (listed in the README, not in DESIGN's table).
+BEYOND_THE_FIRST_SET = ("rollout_sampling_replay",)
 
 
 # ----------------------------------------------------------------------------- flags

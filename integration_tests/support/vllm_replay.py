@@ -15,9 +15,10 @@ its request id (checked token by token against the completion). ``LLM.generate``
 
 Usage (in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``logprobs`` requested)::
 
-    with record_sampling_masks(llm):
+    with record_sampling_masks(llm) as completions:
         outs = llm.generate(prompts, SamplingParams(logprobs=0, top_k=..., top_p=...))
     outs[0].outputs[0].sampling_mask.token_ids  # one list of kept ids per generated token
+    completions  # (token ids, SamplingMask) of every completion returned while the block ran
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def record_sampling_masks(llm: Any) -> Iterator[dict]:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     records: dict[str, list[tuple[int, list[int]]]] = defaultdict(list)
+    completions: list[tuple[list[int], Any]] = []  # (token ids, SamplingMask) of every completion returned
     current: dict[str, list[str]] = {}
     real_sample, real_runner_sample, real_generate = Sampler.sample, GPUModelRunner._sample, llm.generate
 
@@ -74,13 +76,14 @@ def record_sampling_masks(llm: Any) -> Iterator[dict]:
                     raise RuntimeError(f"record_sampling_masks: no recorded kept sets match request "
                                        f"{request.request_id} completion {comp.index}")
                 comp.sampling_mask = SamplingMask([kept for _, kept in tail])
+                completions.append((tokens, comp.sampling_mask))
         return outs
 
     with _lock:
         Sampler.sample, GPUModelRunner._sample = sample, runner_sample
         llm.generate = generate
         try:
-            yield records
+            yield completions
         finally:
             Sampler.sample, GPUModelRunner._sample = real_sample, real_runner_sample
             llm.__dict__.pop("generate", None)

@@ -291,6 +291,9 @@ class RolloutParityLossFn:
         if not isinstance(correction, CorrectionConfig):
             raise TypeError(f"correction must be a CorrectionConfig or a mapping of the shared "
                             f"flags, got {type(correction).__name__}")
+        if correction.rollout_sampling_replay:
+            raise ValueError("rollout_sampling_replay=True: NeMo RL's generation hands the loss no per-token kept "
+                             "sets (vLLM's sampling masks), so there is nothing to replay; leave it off here")
         if metrics not in ("nemo", "local"):
             raise ValueError(f"metrics: expected 'nemo' or 'local', got {metrics!r}")
         if ratio_clip_c is not None and not ratio_clip_c > 1:

@@ -119,6 +119,10 @@ def _refuse_outside_fsdp_head_pass(config: Any, what: str) -> None:
 def _refuse(config: Any, cfg: CorrectionConfig, sampler: SamplerSettings, sampler_aware: bool) -> None:
     """What the flags cannot mean in this verl run, by name, before anything is written."""
     check_no_double_correction(config, cfg)
+    if cfg.rollout_sampling_replay:
+        raise ValueError(f"rollout_sampling_replay=true: verl {verl_version()}'s vLLM server hands its agent loop only "
+                         "token ids and logprobs (TokenOutput), so vLLM's per-token kept sets never reach the actor's "
+                         "pi_old pass; not supported in verl yet (the boundary rule covers the recomputed kept set)")
     rollout = select(config, "actor_rollout_ref.rollout", {})
     refuse_unmatched_sampler(cfg, sampler, penalties=active_penalties(lambda k: select(rollout, k)),
                              modifiers=head_modifiers(_model_config(config)) if sampler_aware else {})
