@@ -479,6 +479,9 @@ def test_bad_configs_and_data(nemo):
         RolloutParityLossFn.from_nemo_config(dict(reference_policy_kl_penalty=0.0, ratio_clip=0.2))
     with pytest.raises(ValueError, match="reference_policy_kl_type"):
         RolloutParityLossFn(reference_policy_kl_type="k4")
+    with pytest.raises(ValueError, match="rollout_sampling_replay=True: NeMo RL's generation"):
+        RolloutParityLossFn.from_nemo_config(dict(reference_policy_kl_penalty=0.0, rollout_correction={
+            "rollout_importance_sampling_mode": "token_truncate", "rollout_sampling_replay": True}))
     data, current = make_data(nemo, "finite")
     loss_fn = RolloutParityLossFn(CorrectionConfig.preset("icepop"))
     with pytest.raises(ValueError, match=r"\[:, 1:\]"):

@@ -324,7 +324,7 @@ def test_sampling_replay_renormalises_pi_old_over_the_engines_kept_sets(run):
     assert log["rollout_correction/sampler_replayed_frac"] == 1.0
     inputs = {k: torch.cat([i[k] for i in recorder.inputs]) for k in
               ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "rollout_parity/old",
-               "sampling_per_token_logps")}
+               "sampling_per_token_logps", "old_per_token_logps")}
     valid = inputs["completion_mask"].bool()
     T = valid.shape[1]
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
@@ -340,15 +340,21 @@ def test_sampling_replay_renormalises_pi_old_over_the_engines_kept_sets(run):
         for t in range(n):
             kept = torch.tensor(sets[t])
             y = int(inputs["completion_ids"][b, t])
-            ref[b, t] = logits[b, t, y] - torch.logsumexp(logits[b, t, kept], -1)
+            # TRL's own pi_old minus log S over the engine's set (log S from logits after the step: it moves
+            # only at second order with the weights)
+            log_s = torch.logsumexp(logits[b, t, kept], -1) - torch.logsumexp(logits[b, t], -1)
+            ref[b, t] = inputs["old_per_token_logps"][b, t] - log_s
+            assert y in sets[t]
             recomputed = ~torch.isneginf(processed_logits(logits[b, t][None], 1.0, 20, 0.9)[0])
             differs += int(set(recomputed.nonzero()[:, 0].tolist()) != set(sets[t]))
     ours = inputs["rollout_parity/old"]
     # the engine's sets, renormalised by ours from the fp32 head and by this reference from the model's logits
-    assert (ours - ref)[valid].abs().max() < 2e-2 and (ours - ref)[valid].abs().mean() < 2e-3
-    assert (ours - inputs["sampling_per_token_logps"])[valid].abs().mean() < 5e-3  # at parity with vLLM
+    print(f"replay vs reference: mean {(ours - ref)[valid].abs().mean():.2e}, max {(ours - ref)[valid].abs().max():.2e}")
+    assert (ours - ref)[valid].abs().max() < 1e-2 and (ours - ref)[valid].abs().mean() < 2e-3  # measured 7.5e-4
+    assert differs > 0  # the engine's and the recomputed sets differ somewhere (measured 6 of 91 positions)
+    plain = (inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"])[valid]  # TRL's, with log S
+    assert (ours - inputs["sampling_per_token_logps"])[valid].abs().mean() < plain.abs().mean() / 5
     assert log["rollout_correction/nonfinite_frac"] == 0.0
-    print(f"kept sets that differ between vLLM and the trainer's recomputation: {differs} of {int(valid.sum())}")
 
 
 def test_bypass_at_top_p_hands_trl_pi_rollout_on_the_trainers_support(run):
@@ -390,6 +396,10 @@ def test_refusals_name_the_option_and_leave_the_state(run):
          "loss_type='vespo'"),
         ({}, CorrectionConfig(rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.01,
                               old_logprob_source="bypass"), None),  # accepted: no truncating sampler
+        ({"vllm_mode": "server"}, CORRECTION.replace(rollout_sampling_replay=True),
+         "trl vllm-serve returns no sampling masks"),
+        ({"tools": [print]}, CORRECTION.replace(rollout_sampling_replay=True), "tools or a rollout_func"),
+        ({}, CORRECTION.replace(rollout_sampling_replay=True), r"top_k=None: vLLM returns kept sets only"),
     ]
     for attributes, cfg, message in cases:
         saved = {k: getattr(trainer, k) for k in attributes}

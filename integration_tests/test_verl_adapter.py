@@ -775,6 +775,15 @@ def test_sampler_penalties_and_scaled_heads_are_refused_as_in_trl(tmp_path):
         adapter.set_active_config(None)
 
 
+def test_sampling_replay_is_refused_in_verl_by_name():
+    """verl's vLLM server hands its agent loop token ids and logprobs only: the kept sets cannot reach pi_old."""
+    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate",
+                          "+rollout_parity.rollout_sampling_replay=true", "actor_rollout_ref.rollout.top_k=50")
+    with pytest.raises(ValueError, match="rollout_sampling_replay=true: verl .* never reach the actor"):
+        adapter.configure_verl(config)
+    assert adapter.active_config() is None
+
+
 def test_bypass_under_top_p_keeps_verls_pi_old_pass():
     """verl's own bypass_mode skips the pass that measures log S: under a truncating sampler it stays off."""
     config = compose_verl("+rollout_parity.old_logprob_source=bypass", "actor_rollout_ref.rollout.top_p=0.9")

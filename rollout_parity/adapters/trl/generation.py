@@ -74,22 +74,20 @@ def checked_generate(state: Any, original: Any, prompts: list) -> tuple:
 
 @contextlib.contextmanager
 def _engine_outputs(trainer: Any) -> Iterator[list]:
-    """The colocated engine's ``generate`` results while the block runs (an instance wrapper, removed after)."""
+    """The colocated engine's ``RequestOutput`` objects while the block runs: TRL hands them, in its
+    completions' order, to its module function ``extract_logprobs`` (patched for the block only)."""
+    from trl.generation import vllm_generation
+
     from rollout_parity.adapters._patching import Patches
 
-    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     seen: list = []
-    if llm is None:
-        yield seen
-        return
 
-    def keep(original: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        seen.extend(out)
-        return out
+    def keep(original: Any, all_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.extend(all_outputs)
+        return original(all_outputs, *args, **kwargs)
 
     patches = Patches()
-    patches.wrap(llm, "generate", keep, dotted=f"{type(llm).__name__}.generate")
+    patches.wrap(vllm_generation, "extract_logprobs", keep, dotted="trl.generation.vllm_generation.extract_logprobs")
     try:
         yield seen
     finally:
