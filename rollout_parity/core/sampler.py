@@ -361,8 +361,8 @@ def sampler_logprobs_from_hidden(
 
     For recomputing pi_old without ever holding (N, V) logits: each chunk of ``chunk_size``
     rows is projected through the head in float32 into one reused ``(chunk_size, V)`` buffer
-    (``hidden.float() @ weight.float().T``, the fp32 lm_head of the parity recipe), divided by
-    the temperature and log-softmaxed in place; the sampled token's full logprob is gathered,
+    (``hidden.float() / T @ weight.float().T``, the fp32 lm_head of the parity recipe, 1/T on the
+    hidden states as in ``chunked_fp32_logprobs``) and log-softmaxed in place; the sampled token's full logprob is gathered,
     and its processed logprob is ``log p_T(y) - log S`` with ``S`` the kept set's mass: the
     engine's set where ``kept_sets`` records one, else the recomputed set from the row's largest
     probabilities (:mod:`rollout_parity.core.kept_set`; rows it cannot settle take vLLM's sorting
@@ -403,15 +403,16 @@ def sampler_logprobs_from_hidden(
     processed = torch.empty_like(full)
     outside = torch.zeros(n, dtype=torch.bool, device=hidden.device)
     recorded = None if kept_sets is None else kept_sets.recorded.reshape(-1).to(hidden.device)
-    temp = _float32_temperature(temperature, hidden.device)
+    inv_temp = 1.0 / float(temperature) if not greedy else 1.0
     buf = torch.empty(min(chunk_size, max(n, 1)), vocab, dtype=torch.float32, device=hidden.device)
     # Under a trainer's bf16 autocast the projection would silently run in bf16.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
-            z = _logits_into(buf[: stop - start], flat[start:stop].to(torch.float32), w, b)
-            if not greedy:
-                z.div_(temp)
+            h = flat[start:stop].to(torch.float32)
+            # 1/T on the (rows, H) operand, not the (rows, V) logits, as the plain chunked pass does
+            z = _logits_into(buf[: stop - start], h if greedy else h * inv_temp, w,
+                             b if greedy or b is None else b * inv_temp)
             lp = _softmax_rows_(z, log=True)  # in place: log p_T over the whole vocabulary
             y = ids[start:stop]
             lp_y = lp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
@@ -467,7 +468,7 @@ def _processed_chunk(lp: torch.Tensor, y: torch.Tensor, lp_y: torch.Tensor, top_
         x = processed_logits(lp[hard], 1.0, top_k, top_p, min_p)
         x_y = x.gather(-1, y[hard].unsqueeze(-1)).squeeze(-1)
         inside = ~torch.isneginf(x_y)
-        log_s = torch.logsumexp(x.double(), dim=-1)  # lp is normalised: log S of the kept set
+        log_s = torch.logsumexp(x, dim=-1).double()  # lp is normalised: log S of the kept set
         proc[hard] = _with_rule(lp_y64[hard], log_s, inside, keep_sampled)
         miss[hard] = ~inside
     return proc.float(), miss
