@@ -116,3 +116,32 @@ def test_a_preset_that_fits_is_not_tightened_and_k1_is_left_alone():
     assert max(advice["shares"]["d"].values()) <= BUDGET
     seq_max = CorrectionConfig(rollout_rejection=["seq_max_k3"], rollout_rejection_threshold=1e-5)
     assert fit_rejection(seq_max, rows, 32, None)["option"] == "token_k3"  # a max needs the length too
+
+
+def test_grouped_resampling_keeps_the_between_prompt_spread_and_only_that():
+    """Prompts that differ in mismatch level: pseudo-answers keep it (a grouped draw), but not the noise of
+    each group's own mean estimated from a few completions (drawing only inside the group would)."""
+    from rollout_parity.doctor.lengths import _within_group_share
+
+    g = torch.Generator().manual_seed(4)
+    groups, size, m = 24, 8, 32
+    level = torch.where(torch.arange(groups) % 2 == 0, 3e-3, 8e-3).repeat_interleave(size)[:, None]  # two kinds
+    rollout = -torch.rand(groups * size, m, generator=g)
+    old = rollout + torch.randn(groups * size, m, generator=g) * level
+    data = (old, rollout, torch.ones_like(old))
+    q = _within_group_share(data, size)
+    assert 0.7 < q <= 1.0  # most of the spread of group means is real
+    homogeneous = (rollout + torch.randn(groups * size, m, generator=g) * 5e-3, rollout, torch.ones_like(old))
+    assert _within_group_share(homogeneous, size) < 0.5  # only estimation noise: mostly free draws
+    assert _within_group_share(data, 1) == 0.0
+    # long answers of this law: a prompt's level holds through the answer. The grouped prediction follows
+    # the truth's spread; free draws from all completions would average the two kinds away
+    truth_level = torch.where(torch.rand(400, 1, generator=g) < 0.5, 3e-3, 8e-3)
+    truth_roll = -torch.rand(400, 1024, generator=g)
+    truth = statistic("seq_sum_k3", (truth_roll + torch.randn(400, 1024, generator=g) * truth_level, truth_roll,
+                                     torch.ones(400, 1024)))
+    grouped = statistic("seq_sum_k3", resample(data, 1024, group=size))
+    free = statistic("seq_sum_k3", resample(data, 1024))
+    tau = float(truth.quantile(0.9))
+    t, p, f = (float((x > tau).double().mean()) for x in (truth, grouped, free))
+    assert abs(p - t) < 0.1 and f < t / 2, (t, p, f)
