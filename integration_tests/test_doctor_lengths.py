@@ -97,12 +97,19 @@ def test_a_long_length_run_prints_predicted_shares_per_row_that_follow_the_measu
         assert row["rejected_seq_frac_at_length"] > 0.85  # the preset at 832 tokens, predicted from 32
     pred, meas = _scan(predicted), _scan(measured)
     assert set(pred) == set(meas)
-    for key, rows in pred.items():
+    grid = sorted({t for _, t in pred})
+    for (option, tau), rows in pred.items():
+        # within a factor 2 in threshold: the measured share at 2 tau <= predicted at tau <= measured at tau / 2
+        # (the 832-token completions mismatch ~20% more per token than their first 32: the one thing the
+        # prediction cannot see)
+        higher = min([t for t in grid if t >= 2 * tau] or [grid[-1]])
+        lower = max([t for t in grid if t <= tau / 2] or [grid[0]])
         for name, p in rows.items():
-            m = meas[key][name]
-            assert abs(p - m) <= 0.25, (key, name, p, m)  # the body of the distribution
+            m = meas[(option, tau)][name]
+            assert meas[(option, higher)][name] - NOISE <= p <= meas[(option, lower)][name] + NOISE, \
+                (option, tau, name, p, m)
             if p <= BUDGET * UNMEASURED:  # a threshold the advice could pick here: measured within the budget too
-                assert m <= BUDGET + NOISE, (key, name, p, m)
+                assert m <= BUDGET + NOISE, (option, tau, name, p, m)
     # the predicted run's own advice: a mean (dense mismatch at 832 tokens), which holds on the measured rows
     advice = predicted["lengths"]["advice"]
     assert advice["option"] == "seq_mean_k3" and "dense mismatch" in advice["reason"]

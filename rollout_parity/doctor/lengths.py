@@ -17,9 +17,9 @@ at a length it only predicts, no more than :data:`UNMEASURED` of that:
 * ``seq_mean_*`` (length-normalised) is fitted at ``M``, where its spread is widest, and checked at
   ``L`` (or at :data:`REFERENCE_LENGTHS` when no length is given): a mean concentrates as ``L`` grows;
 * ``seq_sum_*`` needs the length: without ``--response-length`` the advice switches to ``seq_mean_*``;
-  with it, the sum is fitted at ``L`` unless the mismatch is dense (a healthy answer's median sum is
-  at least :data:`DENSE_SHARE` of the fitted threshold, so the threshold mostly measures length), in
-  which case it switches too;
+  with it, the sum is fitted at ``L`` unless the mismatch is dense (a healthy answer's median sum
+  reaches the preset's threshold or :data:`DENSE_SHARE` of the fitted one, so the threshold mostly
+  measures length; or nothing within 100x the preset fits), in which case it switches too;
 * ``seq_max_*`` grows with ``L`` as well: fitted at ``L``, or replaced by the token-level option;
 * token-level options are fitted on the share of tokens they remove.
 
@@ -65,7 +65,8 @@ def resample(tensors: Tensors, length: int, draws: int = DRAWS, seed: int = 0, g
     ``group``: consecutive rows that answer one prompt (a GRPO group). Prompts differ in how much the
     engines disagree on the text they lead to, and a long answer carries its prompt's level through all
     its tokens: each pseudo-answer draws one group and takes each completion from it with probability
-    ``q``, else from any group. ``q = sqrt(tau2 / v)``, with ``v`` the variance of the groups' mean K3 and
+    ``q``, else from any group. ``q = sqrt(tau2 / v)``, with ``v`` the variance of the groups' mean K3
+    (each token's K3 capped at the 99th percentile: the bulk's level, not a rare spike's) and
     ``tau2 = v - s2 / group`` its part not explained by the spread inside groups (``s2``): the
     between-prompt variance, without the noise of estimating each group's mean from ``group`` samples
     (drawing only from the group would count that noise once per completion of the answer).
@@ -110,7 +111,13 @@ def _within_group_share(tensors: Tensors, group: int) -> float:
     rows = tensors[0].shape[0]
     if group < 2 or rows % group or rows // group < 2:
         return 0.0
-    x = statistic("seq_mean_k3", tensors).reshape(rows // group, group)
+    # each completion's level of mismatch from its bulk: a rare spike token would make its group look apart
+    # and then be drawn once per completion of every pseudo-answer from that group
+    s = _stats(tensors)
+    k3 = s.estimator("k3")
+    cap = float(k3[s.valid_f != 0].quantile(0.99)) if bool((s.valid_f != 0).any()) else 0.0
+    x = (k3.clamp(max=cap) * s.valid_f).sum(-1) / s.tokens_per_seq.clamp_min(1.0)
+    x = x.reshape(rows // group, group)
     between = float(x.mean(-1).var())
     within = float(x.var(-1).mean())
     if not between > 0:
@@ -218,14 +225,16 @@ def fit_rejection(cfg: CorrectionConfig, rows: Mapping[str, Tensors], measured: 
                            "to fit a sum to yours")
         tau, shares = _fit(name, rows, measured, [length], preset, seed, group)
         typical = max(float(statistic(name, _at(t, measured, length, seed, group)).median()) for t in rows.values())
-        if tau is not None and typical < DENSE_SHARE * tau:
+        # dense: a healthy answer of this length already sums to the preset's own threshold, or to a tenth of the
+        # one fitted (then the threshold mostly measures length); or no threshold within 100x the preset fits
+        if tau is not None and typical < preset and typical < DENSE_SHARE * tau and tau <= 100 * preset:
             reason = None if tau == preset else (f"{name} at {preset:g} drops more than {BUDGET:.0%} of the parity "
                                                  f"rows' sequences at {length:,} tokens: the lines use {tau:g}, set "
                                                  f"for answers of up to {length:,} tokens")
             return advice(name, tau, shares, reason)
         return as_mean(f"{name} does not fit {length:,}-token answers: at parity a healthy one already sums to "
-                       f"{typical:.2g} (median){'' if tau is None else f', {typical / tau:.0%} of the {tau:g} that keeps 95% of them'}"
-                       " (dense mismatch: a sum threshold mostly measures length)")
+                       f"{typical:.2g} (median; the preset's threshold is {preset:g}): dense mismatch, a sum threshold "
+                       "mostly measures length")
     if rule.level == "seq_max" and length is None:
         token = f"token_{est}"
         tau, shares = _fit(token, rows, measured, [measured], preset, seed, group)
