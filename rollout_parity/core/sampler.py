@@ -353,7 +353,7 @@ def sampler_logprobs_from_hidden(
     *,
     bias: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
     keep_sampled: bool = True,
     kept_sets: Optional[KeptSets] = None,
 ) -> HeadLogprobs:
