@@ -522,6 +522,8 @@ def test_refusals_name_the_keys(nemo):
     assert both.nemo_loss_fn.truncated_importance_sampling_type == "tis"
     with pytest.warns(UserWarning, match="fp32_lm_head"):
         ours_from(NO_KL, {"fp32_lm_head": True})
+    with pytest.raises(ValueError, match="rollout_sampling_replay=True: NeMo RL's generation"):
+        ours_from(NO_KL, {"rollout_importance_sampling_mode": "token_truncate", "rollout_sampling_replay": True})
 
 
 def test_async_and_fp8_switch_turns_into_our_weight_applied_once(nemo):

@@ -251,6 +251,7 @@ VERL_EVERY_FLAG = [
     (["+rollout_parity.weight_sync_check_interval=3"], dict(weight_sync_check_interval=3)),
     (["+rollout_parity.weight_sync_check_threshold=0.2"], dict(weight_sync_check_threshold=0.2)),
     (["+rollout_parity.moe_routing_replay=true"], dict(moe_routing_replay=True)),
+    (["+rollout_parity.rollout_sampling_replay=true"], dict(rollout_sampling_replay=True)),
     (["+rollout_parity.preset=icepop"], CorrectionConfig.preset("icepop").to_dict()),
 ]
 
@@ -939,6 +940,15 @@ def test_sampler_penalties_and_scaled_heads_are_refused_as_in_trl(tmp_path):
         adapter.set_active_config(None)
 
 
+def test_sampling_replay_is_refused_in_verl_by_name():
+    """verl's vLLM server hands its agent loop token ids and logprobs only: the kept sets cannot reach pi_old."""
+    config = compose_verl("+rollout_parity.rollout_importance_sampling_mode=token_truncate",
+                          "+rollout_parity.rollout_sampling_replay=true", "actor_rollout_ref.rollout.top_k=50")
+    with pytest.raises(ValueError, match="rollout_sampling_replay=true: verl .* never reach the actor"):
+        adapter.configure_verl(config)
+    assert adapter.active_config() is None
+
+
 def test_bypass_under_top_p_keeps_verls_pi_old_pass():
     """verl's own bypass_mode skips the pass that measures log S: under a truncating sampler it stays off."""
     config = compose_verl("+rollout_parity.old_logprob_source=bypass", "actor_rollout_ref.rollout.top_p=0.9")
@@ -982,6 +992,20 @@ def test_sampler_metrics_name_the_boundary_tokens_and_the_kept_mass(flags):
     # the core counts it as maximal mismatch; the rest is compared like with like (delta 1e-3, not log S)
     assert metrics["rollout_correction/nonfinite_frac"] == pytest.approx(1 / n)
     assert metrics["rollout_correction/delta_abs_mean"] == pytest.approx((20.0 + 1e-3 * (n - 1)) / n, rel=1e-4)
+
+    # The actor's pass as it runs: the boundary rule gives the missed token a finite processed logprob and
+    # the pass says where it applied (OUTSIDE_FIELD): counted, and compared like any other token.
+    ruled = old - log_s
+    outside = torch.zeros_like(mask)
+    outside[0, 0] = 1.0
+    proto = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": ruled + 1e-3,
+                                         "response_mask": mask, adapter.PROCESSED_FIELD: ruled,
+                                         adapter.OUTSIDE_FIELD: outside})
+    _, metrics = adapter.driver_correction(proto)
+    assert metrics["rollout_correction/sampler_outside_kept_frac"] == pytest.approx(1 / n)
+    assert metrics["rollout_correction/nonfinite_frac"] == 0.0
+    assert metrics["rollout_correction/delta_abs_mean"] == pytest.approx(1e-3, rel=1e-3)
+    assert metrics["rollout_correction/sampler_log_kept_mass"] == pytest.approx(log_s[valid].mean().item(), abs=1e-6)
 
 
 def _driver_step(case):

@@ -2,6 +2,7 @@
 
     rollout-parity launch [--help] script.py [script args...]   (rollout_parity/launcher.py)
     rollout-parity doctor [--model PATH] [--json PATH] [--plot PATH] [--preset NAME]
+                          [--set FLAG=VALUE ...] [--response-length L]
                           [--num-prompts N] [--samples N] [--max-tokens N] [--steps N] [--sentences N]
                           [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--update-scale X]
                           [--rows a,b,c,d,d/vllm-only,s/full-vocab,s/sampler,d/reset,d/salt]
@@ -9,7 +10,7 @@
     rollout-parity check  [--json PATH|-] [--nemo-rl-source PATH] [--model PATH] [--only a,b]
                           [--skip a,b] [--require a,b] [--max-delta X] [--no-progress]
 
-See ``rollout_parity/doctor.py`` for what each row measures, ``rollout_parity/check/`` (and
+See ``rollout_parity/doctor/`` for what each row measures, ``rollout_parity/check/`` (and
 docs/check.md) for the checks.
 """
 
@@ -53,8 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"new prompts per weight version (default {defaults.num_prompts})")
     d.add_argument("--samples", type=int, default=defaults.samples,
                    help=f"samples per prompt, a GRPO group (default {defaults.samples})")
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="FLAG=VALUE",
+                   help="a shared flag over the preset, e.g. rollout_rejection=seq_mean_k3 (repeatable): the rows "
+                        "are evaluated with these flags")
     d.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
-                   help=f"tokens per completion (default {defaults.max_tokens})")
+                   help=f"tokens measured per completion (default {defaults.max_tokens})")
+    d.add_argument("--response-length", type=int, default=None,
+                   help="your training run's response length (verl max_response_length, TRL "
+                        "max_completion_length): rejection is fitted to it and each row's rejected share predicted "
+                        "there (default: unknown, so only length-normalised rejection is advised)")
     d.add_argument("--steps", type=int, default=defaults.steps,
                    help=f"weight versions, with an update loaded between each (default {defaults.steps})")
     d.add_argument("--sentences", type=int, default=defaults.sentences,
@@ -148,8 +156,16 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from rollout_parity.core.config import flag_from_text
     from rollout_parity.doctor import MissingExtraError, format_recommendation, format_table, run_doctor
 
+    overrides = {}
+    for item in args.overrides:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            print(f"rollout-parity doctor: --set takes FLAG=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        overrides[name.strip()] = flag_from_text(name.strip(), value)
     opts = DoctorOptions(
         model=args.model, json_path=args.json_path, plot_path=args.plot_path, preset=args.preset,
         num_prompts=args.num_prompts, samples=args.samples, max_tokens=args.max_tokens, steps=args.steps,
@@ -157,7 +173,8 @@ def _doctor(args: argparse.Namespace) -> int:
         min_p=args.min_p, update_scale=args.update_scale, seed=args.seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
         rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()),
-        progress=not args.no_progress, threads=args.threads,
+        progress=not args.no_progress, threads=args.threads, response_length=args.response_length,
+        overrides=overrides,
     )
     try:
         report = run_doctor(opts)

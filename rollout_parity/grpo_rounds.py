@@ -401,7 +401,8 @@ class TrainerScores:
     """The trainer's view of rollouts, (B, T) float32 each; ``mask`` marks completion tokens.
 
     processed: ``sampler_logprobs`` (vLLM's processed distribution: temperature, min-p, top-k,
-               top-p renormalised over the kept set); -inf for a token outside the kept set.
+               top-p renormalised over the kept set; a sampled token the recomputed kept set
+               missed gets the boundary rule, ``core/sampler.py``).
     full:      ``log_softmax(z / T)`` over the whole vocabulary (what trainers compute).
     entropy:   entropy in nats of ``softmax(z / T)`` at each position.
     """
@@ -411,6 +412,7 @@ class TrainerScores:
     entropy: Any
     mask: Any
     num_outside: int
+    outside: Any = None  # (B, T) bool: where the recomputed kept set missed the sampled token
 
 
 def trainer_scores(model: Any, prompts: Sequence[list[int]], completions: Sequence[list[int]], *,
@@ -435,6 +437,7 @@ def trainer_scores(model: Any, prompts: Sequence[list[int]], completions: Sequen
     device = next(model.parameters()).device
     n, t_max = len(completions), max((len(c) for c in completions), default=0)
     out = {k: torch.zeros(n, t_max, dtype=torch.float32) for k in ("processed", "full", "entropy", "mask")}
+    out_outside = torch.zeros(n, t_max, dtype=torch.bool)
     outside = 0
     (apply_fp32_lm_head if fp32_head else revert_fp32_lm_head)(model)
     head = model.get_output_embeddings()
@@ -471,8 +474,9 @@ def trainer_scores(model: Any, prompts: Sequence[list[int]], completions: Sequen
             out["full"][rows_out] = full.float().cpu() * mask
             out["entropy"][rows_out] = entropy.float().cpu() * mask
             out["mask"][rows_out] = mask
+            out_outside[rows_out] = res.outside_mask.cpu()
             outside += res.num_outside
     finally:
         revert_fp32_lm_head(model)
     return TrainerScores(processed=out["processed"], full=out["full"], entropy=out["entropy"], mask=out["mask"],
-                         num_outside=outside)
+                         num_outside=outside, outside=out_outside)

@@ -48,11 +48,13 @@ DEFAULTS = {
     "fp32_lm_head": False,
 }
 #: Flags beyond DESIGN.md's first table ("Flags beyond the first set"), listed in the README's flag table;
-#: none of them changes the correction, so the reference ignores them.
+#: none of them changes the correction (replay changes pi_old, which the reference takes as given), so the
+#: reference ignores them.
 LATER_DEFAULTS = {
     "weight_sync_check_interval": None,
     "weight_sync_check_threshold": 0.05,
     "moe_routing_replay": False,
+    "rollout_sampling_replay": False,
 }
 
 

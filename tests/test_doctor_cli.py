@@ -56,7 +56,7 @@ def test_bad_options_are_rejected_before_anything_runs(monkeypatch, capsys, argv
     def never():
         raise AssertionError("validation must come first")
 
-    monkeypatch.setattr("rollout_parity.doctor.check_requirements", never)
+    monkeypatch.setattr("rollout_parity.doctor.measure.check_requirements", never)
     before = dict(os.environ)
     assert cli.main(["doctor", "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -66,10 +66,11 @@ def test_bad_options_are_rejected_before_anything_runs(monkeypatch, capsys, argv
 def test_sampler_rows_are_dropped_without_a_truncating_sampler(monkeypatch):
     from rollout_parity import doctor
 
-    notes = doctor._validate(DoctorOptions(top_p=1.0))
+    notes = doctor.validate(DoctorOptions(top_p=1.0))
     assert notes and "s/* rows skipped" in notes[0]
-    assert [s.name for s in doctor._rows(DoctorOptions(top_p=1.0))] == [r for r in DEFAULT_ROWS if not r.startswith("s/")]
-    assert [s.name for s in doctor._rows(DoctorOptions(top_p=1.0, top_k=20))] == list(DEFAULT_ROWS)
+    assert [s.name for s in doctor.selected_rows(DoctorOptions(top_p=1.0))] == [
+        r for r in DEFAULT_ROWS if not r.startswith("s/")]
+    assert [s.name for s in doctor.selected_rows(DoctorOptions(top_p=1.0, top_k=20))] == list(DEFAULT_ROWS)
 
 
 def _row(name, d, *, tok=1000.0, vs_a=1.0, **extra):
@@ -81,7 +82,7 @@ def _row(name, d, *, tok=1000.0, vs_a=1.0, **extra):
     return row
 
 
-def _report(scan=None):
+def _report(advice=None, length=None):
     rows = [_row("a", 5e-2, rejected_seq_frac=1.0), _row("b", 4e-3), _row("c", 3.9e-3), _row("d", 1.3e-3, vs_a=0.7),
             _row("s/full-vocab", 2e-2, mean_log_kept_mass=-0.02), _row("s/sampler", 1.2e-3),
             _row("d/salt", 1.3e-3, vs_a=1.0)]
@@ -90,7 +91,7 @@ def _report(scan=None):
                   workload=dict(versions=3, prompts_per_version=4, samples=8, prompt_tokens=[270, 290],
                                 sequences_per_row=96),
                   weight_updates=dict(real=True, scale=0.02, stale_delta_abs_mean=9e-3), mean_entropy=0.5,
-                  rejection_threshold_scan=scan or [], notes=[],
+                  lengths=dict(measured=8, response_length=length, advice=advice or {}, scan=[]), notes=[],
                   timings=dict(total_s=1.0, model_build_s=0.0, engines_s={"recipe_fp32": 0.5}, rounds_s=1.0,
                                trainer_s=1.0))
     report["recommendation"] = recommend(report)
@@ -112,7 +113,7 @@ def test_recommendation_follows_the_measurements():
     assert not steps["b -> c"]["mattered"]  # 4e-3 -> 3.9e-3: no measurable effect
     assert rec["fp32_lm_head"] is True and rec["flags"]["fp32_lm_head"] is True
     assert rec["prefix_cache"]["salt_vs_off_tokens_per_s"] == pytest.approx(1.0 / 0.7)
-    assert rec["rejection_threshold"] is None  # no scan: the preset's threshold stands
+    assert rec["rejection"] is None  # no length advice: the preset's rejection stands
     assert rec["flags"]["rollout_rejection_threshold"] == 0.001
 
     # c -> d without effect: the lines leave fp32_lm_head out.
@@ -121,16 +122,58 @@ def test_recommendation_follows_the_measurements():
     assert "fp32_lm_head" not in recommend(report)["flags"]
 
 
-def test_a_threshold_that_rejects_parity_noise_is_loosened():
-    scan = [{"threshold": 0.001, "rejected_seq_frac": 0.11, "rejected_token_frac": 0.11},
-            {"threshold": 0.003, "rejected_seq_frac": 0.05, "rejected_token_frac": 0.05},
-            {"threshold": 0.01, "rejected_seq_frac": 0.01, "rejected_token_frac": 0.01}]
-    report = _report(scan)
+def test_the_length_advice_replaces_the_presets_rejection_in_the_lines():
+    advice = {"option": "seq_mean_k3", "threshold": 3e-05, "checked_at": [8, 1024, 8192],
+              "reason": "seq_sum_k3 sums over the answer, so no one threshold fits every length; the lines use "
+                        "seq_mean_k3 at 3e-05", "shares": {"d": {"8": 0.02, "1024": 0.0, "8192": 0.0}}}
+    report = _report(advice)
     rec = report["recommendation"]
-    assert rec["rejection_threshold"] == 0.01 and rec["flags"]["rollout_rejection_threshold"] == 0.01
-    assert "rollout_rejection_threshold=0.01" in rec["lines"]["verl"]
+    assert rec["flags"]["rollout_rejection"] == ["seq_mean_k3"] and rec["flags"]["rollout_rejection_threshold"] == 3e-05
+    assert "+rollout_parity.rollout_rejection=[seq_mean_k3]" in rec["lines"]["verl"]
+    assert "rollout_rejection_threshold=3e-05" in rec["lines"]["verl"]
     text = format_recommendation(report)
-    assert "0.001 -> 11.0%" in text and "the lines use 0.01" in text
+    assert "no one threshold fits every length" in text
+    assert "d 2.0% at 8, 0.0% at 1,024, 0.0% at 8,192" in text
+    # no fitting needed (reason None): the preset stands
+    stands = _report({"option": "seq_sum_k3", "threshold": 0.001, "reason": None, "shares": {}})["recommendation"]
+    assert stands["flags"]["rollout_rejection"] == ["seq_sum_k3"] and stands["rejection"] is None
+    # nothing fits: the rejection goes
+    gone = _report({"option": None, "threshold": None, "reason": "seq_sum_k3: drop the rejection", "shares": {}})
+    assert "rollout_rejection" not in gone["recommendation"]["flags"]
+
+
+def test_the_table_shows_the_predicted_share_at_the_users_length():
+    report = _report(length=1024)
+    for r in report["rows"]:
+        r["rejected_seq_frac_at_length"] = 0.5
+    text = format_table(report)
+    assert "rej@1024" in text.splitlines()[0] and "0.500" in text
+    assert "predicted for 1024-token answers" in text
+    assert "rej@" not in format_table(_report()).splitlines()[0]
+
+
+def test_set_flags_and_response_length_reach_the_options(monkeypatch):
+    seen = {}
+
+    def fake_run(opts):
+        seen["opts"] = opts
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("rollout_parity.doctor.run_doctor", fake_run)
+    assert cli.main(["doctor", "--no-progress", "--set", "rollout_rejection=seq_mean_k3", "--set",
+                     "rollout_rejection_threshold=3e-5", "--response-length", "8192"]) == 2
+    opts = seen["opts"]
+    assert opts.overrides == {"rollout_rejection": ["seq_mean_k3"], "rollout_rejection_threshold": 3e-5}
+    assert opts.response_length == 8192
+    assert cli.main(["doctor", "--no-progress", "--set", "nonsense"]) == 2
+
+
+def test_a_bad_set_flag_fails_before_anything_runs(monkeypatch, capsys):
+    monkeypatch.setattr("rollout_parity.doctor.measure.check_requirements",
+                        lambda: (_ for _ in ()).throw(AssertionError("too early")))
+    assert cli.main(["doctor", "--no-progress", "--set", "rollout_rejection_threshold=-1"]) == 2
+    assert "rollout_rejection_threshold" in capsys.readouterr().err
+    assert cli.main(["doctor", "--no-progress", "--response-length", "0"]) == 2
 
 
 def test_framework_lines_spell_each_frameworks_syntax():

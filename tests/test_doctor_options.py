@@ -1,6 +1,6 @@
 """Every ``DoctorOptions`` field and every ``rollout-parity doctor`` / ``check`` flag changes what runs.
 
-The doctor runs end to end here except for its vLLM engines: ``_sample`` is replaced by a stand-in
+The doctor runs end to end here except for its vLLM engines: ``measure._sample`` is replaced by a stand-in
 that records what the doctor asked of the engines (their sizing kwargs, sampling settings, prompts,
 weight versions) and returns rollouts of the prompts' own tokens. Everything else is the doctor's:
 the preset, the weight versions, the trainer (a tiny local model) scoring with ``trainer_scores``,
@@ -22,7 +22,8 @@ import torch
 
 from rollout_parity import CorrectionConfig, cli, doctor
 from rollout_parity import grpo_rounds
-from rollout_parity.doctor import DoctorOptions, run_doctor
+from rollout_parity.doctor import DoctorOptions, measure, run_doctor
+from rollout_parity.doctor.rows import CONFIGS
 from rollout_parity.testing.tiny_model import build_tiny_model
 
 ROWS = ("d", "s/full-vocab", "s/sampler")
@@ -51,7 +52,7 @@ def stand_in_engines(monkeypatch):
                 batches[config].append(grpo_rounds.Batch(
                     version=v, prompts=rows, completions=completions, logprobs=[[-1.0] * len(c) for c in completions],
                     seconds=1.0, tokens=sum(map(len, completions)), cached_tokens=0, update_seconds=0.0))
-        return {"batches": batches, "resolved": {doctor.CONFIGS[c][0]: {} for c in batches},
+        return {"batches": batches, "resolved": {CONFIGS[c][0]: {} for c in batches},
                 "held": {s.name: {} for s in specs}}
 
     real_scores = grpo_rounds.trainer_scores
@@ -61,7 +62,7 @@ def stand_in_engines(monkeypatch):
         seen["trainer_sampling"].append(dict(sampling))
         return real_scores(*args, batch_size=batch_size, sampling=sampling, **kwargs)
 
-    monkeypatch.setattr(doctor, "_sample", sample)
+    monkeypatch.setattr(measure, "_sample", sample)
     monkeypatch.setattr(grpo_rounds, "trainer_scores", scores)
     monkeypatch.setattr(grpo_rounds, "supports_reload_weights", lambda: True)
     stub = types.ModuleType("vllm")  # the doctor imports vllm before its engines; never used here
@@ -269,7 +270,7 @@ def test_every_row_takes_its_own_path(model_path, stand_in_engines):
     assert rows["a"]["delta_abs_mean"] == rows["b"]["delta_abs_mean"] == rows["c"]["delta_abs_mean"]
     assert rows["s/full-vocab"]["delta_abs_mean"] != rows["s/sampler"]["delta_abs_mean"]
     assert "mean_log_kept_mass" in rows["s/full-vocab"] and "mean_log_kept_mass" not in rows["s/sampler"]
-    assert report["rejection_threshold_scan"] and [s["rows"] for s in report["recommendation"]["steps"]] == [
+    assert report["lengths"]["advice"] and [s["rows"] for s in report["recommendation"]["steps"]] == [
         "a -> b", "b -> c", "c -> d", "s/full-vocab -> s/sampler"]
 
 

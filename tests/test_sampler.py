@@ -139,8 +139,8 @@ def test_kept_mass_metrics_separate_the_boundary_tokens():
     ids = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(1))
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     full = logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0]
-    processed = sampler_logprobs(logits, ids, top_k=3, top_p=0.8, return_outside=True).logprobs
-    log_s = full - processed
+    processed = sampler_logprobs(logits, ids, top_k=3, top_p=0.8, return_outside=True, keep_sampled=False).logprobs
+    log_s = full - processed  # the strict reading: +inf where the kept set missed the token
     log_s[2, 4] = float("nan")  # a non-finite input: the core counts it, this names neither
     out = kept_mass_metrics(log_s, mask)
     # naive: per token, from the definition log S = logsumexp over the kept set - logsumexp over all
@@ -169,8 +169,14 @@ def test_outside_token_is_counted_never_silent():
     logits = torch.tensor([[[4.0, 3.0, 0.0, -1.0], [0.0, 1.0, 2.0, 3.0]]])
     ids = torch.tensor([[3, 3]])  # first row: token 3 is cut by top_k=2
     with pytest.warns(SamplerSupportWarning, match="1 of 2"):
-        lp = sampler_logprobs(logits, ids, top_k=2)
+        lp = sampler_logprobs(logits, ids, top_k=2, keep_sampled=False)
     assert torch.isneginf(lp[0, 0]) and torch.isfinite(lp[0, 1])
+    # the boundary rule (default): the kept set {0, 1} gains the sampled token 3; no warning, counted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ruled = sampler_logprobs(logits, ids, top_k=2)
+    assert ruled[0, 0] == pytest.approx(-1.0 - math.log(math.exp(4.0) + math.exp(3.0) + math.exp(-1.0)), abs=1e-6)
+    assert ruled[0, 1] == lp[0, 1]
     res = sampler_logprobs(logits, ids, top_k=2, return_outside=True)
     assert isinstance(res, SamplerLogprobs)
     assert res.num_outside == 1 and res.outside_mask.tolist() == [[True, False]]
@@ -289,5 +295,5 @@ def test_bitwise_equal_to_vllm_sampler(s):
     ours = processed_logits(logits, **s).log_softmax(-1)
     assert torch.equal(ours, ref)
     ids = torch.arange(R) % V
-    lp = sampler_logprobs(logits, ids, **s, return_outside=True).logprobs
+    lp = sampler_logprobs(logits, ids, **s, return_outside=True, keep_sampled=False).logprobs
     assert torch.equal(lp, ref.gather(-1, ids[:, None]).squeeze(-1))

@@ -133,6 +133,19 @@ def test_scaled_heads_are_refused_only_under_a_truncating_sampler():
         refuse_unmatched_sampler(TOKEN, SamplerSettings(top_p=0.9), modifiers={"logit_scale": 2.0})
 
 
+def test_sampling_replay_is_refused_where_vllm_cannot_return_kept_sets():
+    replay = TOKEN.replace(rollout_sampling_replay=True)
+    refuse_unmatched_sampler(replay, SamplerSettings(top_k=50, top_p=0.9))  # what vLLM replays
+    with pytest.raises(ValueError, match=r"top_k=None: vLLM returns kept sets only for requests with top_k > 0"):
+        refuse_unmatched_sampler(replay, SamplerSettings(top_p=0.9))
+    with pytest.raises(ValueError, match="greedy sampling"):
+        refuse_unmatched_sampler(replay, SamplerSettings(temperature=0.0, top_k=50))
+    with pytest.raises(ValueError, match="nothing reads the sampler's logprobs"):
+        refuse_unmatched_sampler(CorrectionConfig(rollout_sampling_replay=True), SamplerSettings(top_k=50))
+    with pytest.raises(ValueError, match="rollout_sampling_replay"):
+        CorrectionConfig(rollout_sampling_replay="yes")
+
+
 def test_penalty_and_modifier_readers_skip_neutral_values():
     values = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "logit_bias": {}, "min_tokens": 4}
     assert active_penalties(values.get) == {"min_tokens": 4}
@@ -177,6 +190,7 @@ LAUNCH_EVERY_FLAG = [
     (["--weight_sync_check_interval", "3"], dict(weight_sync_check_interval=3)),
     (["--weight_sync_check_threshold", "0.2"], dict(weight_sync_check_threshold=0.2)),
     (["--moe_routing_replay"], dict(moe_routing_replay=True)),
+    (["--rollout_sampling_replay"], dict(rollout_sampling_replay=True)),
 ]
 
 

@@ -47,6 +47,10 @@ def test_version_gating():
         vllm_parity_kwargs(vllm_version="0.9.2")
     with pytest.raises(ValueError, match="head_dtype"):
         vllm_parity_kwargs(True, vllm_version="0.31.0", hf_overrides={"head_dtype": "bfloat16"})
+    assert vllm_parity_kwargs(vllm_version="0.31.0", sampling_replay=True)["return_sampling_mask"] is True
+    assert "return_sampling_mask" not in vllm_parity_kwargs(vllm_version="0.31.0")
+    with pytest.raises(VllmKnobMissingError, match="return_sampling_mask"):
+        vllm_parity_kwargs(vllm_version="0.30.2", sampling_replay=True)
     assert vr._parse_version("0.31.0+cpu") == (0, 31, 0)
     assert vr._parse_version("0.10.1rc2.dev3") == (0, 10, 1)
 

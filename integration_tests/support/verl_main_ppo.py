@@ -58,7 +58,6 @@ CPU_OVERRIDES = (
     "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
     "actor_rollout_ref.actor.use_torch_compile=false",
     "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
-    "actor_rollout_ref.model.use_remove_padding=false",
     "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "reward.num_workers=1",
     "data.dataloader_num_workers=0",
@@ -238,15 +237,21 @@ def end_session(sid: int) -> list[int]:
 
 #: The runs of the suite (integration_tests/test_verl_main_ppo.py), each verl's own command line
 #: plus the rollout-parity flags: one session fixture runs them one after the other.
-#: Both sample with top_p=0.9 (sampler-aware pi_old) and take two optimizer steps per training
-#: step (one mini-batch per prompt) at a large learning rate, so the policy moves visibly.
+#: Both sample with top_p=0.9 (sampler-aware pi_old).
 COMMON = ("actor_rollout_ref.rollout.top_p=0.9",)
 RUNS = {
-    # the paper's recipe with fp32 heads on both sides, under a non-vanilla verl loss
+    # the paper's recipe with fp32 heads on both sides, under a non-vanilla verl loss; verl's default
+    # use_remove_padding=true, so the sampler-aware pass reads the packed (1, nnz, H) hidden states
     "decoupled": (*COMMON, "+rollout_parity.preset=tis_srs_k3", "+rollout_parity.fp32_lm_head=true",
-                  "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"),
-    # pi_old := pi_rollout, with sequence rejection (a threshold that rejects some rows here)
+                  "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.model.use_remove_padding=true"),
+    # pi_old := pi_rollout on the trainer's support, with sequence rejection (a threshold that rejects some
+    # rows here); padded rows (use_remove_padding=false) for the other branch of the sampler-aware pass
     "bypass": (*COMMON, "+rollout_parity.old_logprob_source=bypass",
-               "+rollout_parity.rollout_rejection=[seq_sum_k3]", "+rollout_parity.rollout_rejection_threshold=0.0005"),
+               "+rollout_parity.rollout_rejection=[seq_sum_k3]", "+rollout_parity.rollout_rejection_threshold=0.0005",
+               "actor_rollout_ref.model.use_remove_padding=false"),
 }
-RUN_LR = 0.05
+#: Per run: the learning rate and mini-batch size. ``decoupled`` takes two optimizer steps per training step
+#: (one mini-batch per prompt) at a large learning rate, so the policy moves visibly; ``bypass`` one mini-batch
+#: at a tiny one, so verl's own ppo_kl at step 1 measures pi_theta against pi_old on an on-policy batch.
+RUN_SETTINGS = {"decoupled": {"lr": 0.05, "mini_batch_size": 1}, "bypass": {"lr": 1e-6, "mini_batch_size": 2}}
+RUN_LR = RUN_SETTINGS["decoupled"]["lr"]

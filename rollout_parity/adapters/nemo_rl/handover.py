@@ -66,6 +66,9 @@ class RolloutParityLossFn:
         if metrics not in ("nemo", "local"):
             raise ValueError(f"metrics: expected 'nemo' or 'local', got {metrics!r}")
         refuse_engine_side_flags(correction, "NeMo RL's loss function")
+        if correction.rollout_sampling_replay:
+            raise ValueError("rollout_sampling_replay=True: NeMo RL's generation hands the loss no per-token kept "
+                             "sets (vLLM's sampling masks), so there is nothing to replay; leave it off here")
         keys = as_dict(nemo_config)
         if set(keys) & {BLOCK_KEY, GUARD_KEY}:
             raise ValueError(f"nemo_config carries loss_fn.{BLOCK_KEY}: build from the whole block with "

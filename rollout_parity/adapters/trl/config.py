@@ -46,6 +46,7 @@ class ParityGRPOConfig(GRPOConfig):
     weight_sync_check_interval: Optional[int] = _shared_field("weight_sync_check_interval")
     weight_sync_check_threshold: float = _shared_field("weight_sync_check_threshold")
     moe_routing_replay: bool = _shared_field("moe_routing_replay")
+    rollout_sampling_replay: bool = _shared_field("rollout_sampling_replay")
 
     def __post_init__(self) -> None:
         for name in CorrectionConfig.field_names():

@@ -24,11 +24,12 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "off",
-                       return_routed_experts: bool = False) -> Iterator[dict]:
+                       return_routed_experts: bool = False, sampling_replay: bool = False) -> Iterator[dict]:
     """Build TRL's colocated ``vllm.LLM`` with the parity recipe while the block runs.
 
-    TRL's kwargs plus ``vllm_parity_kwargs`` (the recipe wins, ``hf_overrides`` merge), and vLLM's
-    ``enable_return_routed_experts`` for ``moe_routing_replay``. Yields a dict that gets the final kwargs
+    TRL's kwargs plus ``vllm_parity_kwargs`` (the recipe wins, ``hf_overrides`` merge; with
+    ``sampling_replay`` also ``return_sampling_mask=True``), and vLLM's ``enable_return_routed_experts``
+    for ``moe_routing_replay``. Yields a dict that gets the final kwargs
     under ``"kwargs"``. Nested blocks leave the outer one's wrapper.
     """
     from trl.generation import vllm_generation
@@ -39,7 +40,8 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
     if getattr(vllm_generation, "LLM", None) is None:  # no vLLM: TRL raises its own error
         yield built
         return
-    recipe = vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy)
+    recipe = vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
+                                sampling_replay=sampling_replay)
     if return_routed_experts:
         recipe["enable_return_routed_experts"] = True  # vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)
 

@@ -6,7 +6,8 @@ window. After it, our weights go into ``importance_sampling_ratio``, rejected to
 loss-only ``tool_mask`` and ``num_items_in_batch`` (never ``completion_mask``, the attention mask),
 and under bypass pi_rollout into ``old_per_token_logps``. With a truncating sampler a hook on TRL's
 pi_old forward measures log S from its hidden states (chunked fp32 head), so r_corr compares
-processed with processed. docs/trl.md, "How it meets TRL's loss".
+processed with processed; under ``rollout_sampling_replay`` over the kept sets the colocated engine
+returned with each token. docs/trl.md, "How it meets TRL's loss" and "Sampling replay".
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rollout_parity.adapters._refusals import describe_flags
 from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.distributed import all_reduce, masked_summary
 from rollout_parity.core.ratios import check_shapes
+from rollout_parity.core.replay import KeptSets
 from rollout_parity.core.sampler import kept_mass_metrics, rollout_on_full_vocabulary, sampler_logprobs_from_hidden
 
 __all__ = ["KEY", "ORIGINAL", "TRL_SAMPLING_METRICS", "THETA_METRICS", "checked_generate", "observed_forward",
@@ -45,8 +47,12 @@ def process_group(trainer: Any) -> Any:
 
 
 def checked_generate(state: Any, original: Any, prompts: list) -> tuple:
-    """TRL's ``_generate``, checked before TRL's own ratio code reads its sampler logprobs."""
-    result = original(prompts)
+    """TRL's ``_generate``, checked before TRL's own ratio code reads its sampler logprobs; under
+    ``rollout_sampling_replay`` the colocated engine's sampling masks are kept for the pi_old pass."""
+    trainer = original.__self__
+    replay = state.config.rollout_sampling_replay
+    with _engine_outputs(trainer) if replay else contextlib.nullcontext([]) as outputs:
+        result = original(prompts)
     completion_ids, logprobs = result[1], result[4]  # TRL 1.15-1.16: (prompt_ids, completion_ids, tool_mask, ..)
     if logprobs is None:
         raise MissingRolloutLogprobsError(f"{describe_flags(state.config)} needs the sampler's per-token logprobs, "
@@ -55,7 +61,37 @@ def checked_generate(state: Any, original: Any, prompts: list) -> tuple:
         if len(ids) != len(lps):
             check_shapes("completion_ids", torch.empty(1, len(ids), device="meta"),
                          sampling_logprobs=torch.empty(1, len(lps), device="meta"))
+    if replay:
+        masks = [getattr(o, "sampling_mask", None) for request in outputs for o in request.outputs]
+        if len(masks) != len(completion_ids):
+            raise FrameworkAPIError(f"rollout_sampling_replay: TRL returned {len(completion_ids)} completions for "
+                                    f"{len(masks)} engine outputs; tested with TRL >=1.15,<1.17")
+        # a set list per completion token, or None (the recomputed kept set with the boundary rule stands in)
+        state.sampling_masks = [m if m is not None and len(getattr(m, "token_ids", m)) == len(ids) else None
+                                for m, ids in zip(masks, completion_ids)]
     return result
+
+
+@contextlib.contextmanager
+def _engine_outputs(trainer: Any) -> Iterator[list]:
+    """The colocated engine's ``RequestOutput`` objects while the block runs: TRL hands them, in its
+    completions' order, to its module function ``extract_logprobs`` (patched for the block only)."""
+    from trl.generation import vllm_generation
+
+    from rollout_parity.adapters._patching import Patches
+
+    seen: list = []
+
+    def keep(original: Any, all_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.extend(all_outputs)
+        return original(all_outputs, *args, **kwargs)
+
+    patches = Patches()
+    patches.wrap(vllm_generation, "extract_logprobs", keep, dotted="trl.generation.vllm_generation.extract_logprobs")
+    try:
+        yield seen
+    finally:
+        patches.revert()
 
 
 def observed_forward(state: Any, original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -71,22 +107,28 @@ def observed_forward(state: Any, original: Any, model: Any, *args: Any, **kwargs
 @contextlib.contextmanager
 def _kept_mass_hook(trainer: Any, model: Any, logits_to_keep: int, state: Any) -> Iterator[None]:
     """While TRL's pi_old forward runs, ``log S = log p_T - log q`` per sampled token from its hidden states
-    (fp32, chunked, inside TRL's own ZeRO-3 gather of the head). +inf: outside the trainer's kept set."""
+    (fp32, chunked, inside TRL's own ZeRO-3 gather of the head), over the engine's kept sets where
+    ``rollout_sampling_replay`` brought them, else the recomputed ones with the boundary rule."""
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
     base = trainer.accelerator.unwrap_model(model)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     head = base.get_output_embeddings()
     sampling = state.sampling
+    masks = state.sampling_masks
 
     def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         ids = (kwargs["input_ids"] if "input_ids" in kwargs else args[0])[:, -logits_to_keep:]
+        first = sum(part[0].shape[0] for part in state.kept_mass)  # TRL scores the batch's rows in order
+        kept_sets = None if masks is None else KeptSets.from_vllm(masks[first:first + ids.shape[0]],
+                                                                  width=logits_to_keep)
         with maybe_gather_lm_head_ctx(head.weight, head.bias):
             weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight  # FSDP2
             lp = sampler_logprobs_from_hidden(output.last_hidden_state[:, -logits_to_keep - 1:-1], weight, ids,
                                               sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                                              bias=head.bias)
-        state.kept_mass.append(lp.full - lp.processed)
+                                              bias=head.bias, kept_sets=kept_sets)
+        replayed = lp.replayed_mask if lp.replayed_mask is not None else torch.zeros_like(lp.outside_mask)
+        state.kept_mass.append((lp.full - lp.processed, lp.outside_mask, replayed))
 
     handle = base.base_model.register_forward_hook(hook, with_kwargs=True)
     try:
@@ -119,11 +161,12 @@ def corrected_generation(state: Any, original: Any, inputs: Any) -> dict:
     lengths = {k: len(metrics[k]) for k in TRL_SAMPLING_METRICS if k in metrics}
     state.sampling = refuse_trainer(cfg, trainer, state.patches)  # the sampler may change between batches
     state.kept_mass = [] if state.sampling.truncates else None
+    state.sampling_masks = None
     try:
         output = original(inputs)
         captured = state.kept_mass
     finally:
-        state.kept_mass = None
+        state.kept_mass = state.sampling_masks = None
     if captured == []:
         raise FrameworkAPIError("no hidden states seen in TRL's pi_old forward; tested with TRL >=1.15,<1.17")
     completion_mask, tool_mask = output["completion_mask"], output.get("tool_mask")
@@ -131,10 +174,11 @@ def corrected_generation(state: Any, original: Any, inputs: Any) -> dict:
     rollout, old = output["sampling_per_token_logps"], output.get("old_per_token_logps")
     if old is None:
         raise FrameworkAPIError("TRL computed no old_per_token_logps; tested with TRL >=1.15,<1.17")
-    kept_mass = torch.cat(captured) if captured else torch.zeros_like(old)
+    kept_mass = torch.cat([c[0] for c in captured]) if captured else torch.zeros_like(old)
     check_shapes("old_per_token_logps", old, log_kept_mass=kept_mass)
     kept_mass = torch.where(loss_mask != 0, kept_mass, 0.0)
-    processed_old = old - kept_mass  # the trainer's pi_old as vLLM's sampler sees it (-inf outside the kept set)
+    # the trainer's pi_old as vLLM's sampler sees it (-inf only for a token missing from the engine's own kept set)
+    processed_old = old - kept_mass
     group = process_group(trainer)
     out = compute_correction(cfg.replace(off_policy_sequence_mask_delta=None), old_logprobs=processed_old,
                              rollout_logprobs=rollout, response_mask=loss_mask, process_group=group,
@@ -143,7 +187,9 @@ def corrected_generation(state: Any, original: Any, inputs: Any) -> dict:
     output.update({KEY + "old": processed_old, KEY + "response_mask": loss_mask, KEY + "kept_mass": kept_mass})
     logged = {k: v for k, v in out.metrics.items() if k not in THETA_METRICS}
     if captured:
-        logged.update(kept_mass_metrics(kept_mass, loss_mask, group))
+        logged.update(kept_mass_metrics(kept_mass, loss_mask, group, outside_mask=torch.cat([c[1] for c in captured]),
+                                        replayed_mask=torch.cat([c[2] for c in captured]) if cfg.rollout_sampling_replay
+                                        else None))
     if state.hands_weights(trainer):
         kept = out.mask != 0
         ratio = torch.where(kept, out.weights, torch.ones_like(out.weights)).to(old.dtype)

@@ -56,7 +56,8 @@ class _State:
     patches: Patches = dataclasses.field(default_factory=Patches)  # methods and TRL flags, reverted together
     engine_checks: Optional[dict[str, bool]] = None
     sampling: Optional[SamplerSettings] = None
-    kept_mass: Optional[list] = None  # a list while TRL's next forward is its pi_old: log S per chunk goes here
+    kept_mass: Optional[list] = None  # a list while TRL's next forward is its pi_old: (log S, outside, replayed) per chunk
+    sampling_masks: Optional[list] = None  # the engine's kept sets per completion (rollout_sampling_replay)
     loss_logps: Optional[list] = None  # a list while TRL's loss runs: its pi_theta goes here
     sync_schedule: Any = None  # core.sync_check.SyncSchedule: which weight syncs are checked (sync.py)
     probe: Any = None  # core.sync_check.SyncProbe, made at the first checked sync

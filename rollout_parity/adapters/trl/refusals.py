@@ -79,6 +79,18 @@ def refuse(cfg: CorrectionConfig, flags: Any, sampling: Any, *, model_config: An
         raise ValueError(f"rollout_importance_sampling_mode={cfg.rollout_importance_sampling_mode!r} with loss_type="
                          "'vespo': VESPO sums log(importance_sampling_ratio) over the tokens, so a sequence weight "
                          "would count once per token (TRL refuses sequence modes for vespo too)")
+    if cfg.rollout_sampling_replay:
+        mode = getattr(flags, "vllm_mode", None)
+        if mode != "colocate":
+            raise ValueError(f"rollout_sampling_replay=True with vllm_mode={mode!r}: trl vllm-serve returns no "
+                             "sampling masks; replay needs the colocated engine (vllm_mode='colocate')")
+        tp = getattr(flags, "vllm_tensor_parallel_size", None) or getattr(flags, "tensor_parallel_size", 1) or 1
+        if int(tp) > 1:
+            raise ValueError(f"rollout_sampling_replay=True with vllm_tensor_parallel_size={tp}: the kept sets are "
+                             "matched to completions on one engine per rank (tensor parallel size 1)")
+        if getattr(flags, "tools", None) or getattr(flags, "rollout_func", None):
+            raise ValueError("rollout_sampling_replay=True with tools or a rollout_func: tool output interleaves "
+                             "with the sampled tokens, so vLLM's per-token kept sets no longer line up")
     settings, penalties = sampling_settings(sampling, getattr(flags, "generation_kwargs", None))
     refuse_unmatched_sampler(cfg, settings, penalties=penalties, trainer_temperature=flags.temperature,
                              modifiers=head_modifiers(model_config) if settings.truncates else {})

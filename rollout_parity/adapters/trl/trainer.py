@@ -60,7 +60,8 @@ class ParityGRPOTrainer(GRPOTrainer):
                 logger.info("rollout-parity: cast_lm_head_to_fp32: False -> True (fp32_lm_head=True)")
                 args.cast_lm_head_to_fp32 = True
         colocate = args is not None and args.use_vllm and args.vllm_mode == "colocate"
-        engine = parity_vllm_engine(fp32_lm_head=cfg.fp32_lm_head, return_routed_experts=cfg.moe_routing_replay) \
+        engine = parity_vllm_engine(fp32_lm_head=cfg.fp32_lm_head, return_routed_experts=cfg.moe_routing_replay,
+                                    sampling_replay=cfg.rollout_sampling_replay) \
             if colocate else contextlib.nullcontext({})
         with engine as built:
             super().__init__(model, reward_funcs, args, *rest, **kwargs)

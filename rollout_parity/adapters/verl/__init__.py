@@ -38,13 +38,13 @@ with loud_import_failure():  # verl's plugin loader logs a failure only at DEBUG
     from rollout_parity.adapters.verl.compat import REQUIRED_VERL_NAMES, TESTED_VERL
     from rollout_parity.adapters.verl.config import check_no_double_correction, configure_verl, \
         correction_config_from_verl, sampler_from_verl
-    from rollout_parity.adapters.verl.driver import PROCESSED_FIELD, driver_correction
+    from rollout_parity.adapters.verl.driver import OUTSIDE_FIELD, PROCESSED_FIELD, driver_correction
     from rollout_parity.adapters.verl.loss import with_rollout_parity
     from rollout_parity.adapters.verl.patches import patcher
     from rollout_parity.core.sampler import SamplerSettings
 
 __all__ = [
-    "TESTED_VERL", "REQUIRED_VERL_NAMES", "PROCESSED_FIELD", "CONFIG_KEY", "ENV_CONFIG", "ENV_SAMPLER", "MODULE",
+    "TESTED_VERL", "REQUIRED_VERL_NAMES", "PROCESSED_FIELD", "OUTSIDE_FIELD", "CONFIG_KEY", "ENV_CONFIG", "ENV_SAMPLER", "MODULE",
     "SamplerSettings", "configure_verl", "correction_config_from_verl", "check_no_double_correction",
     "sampler_from_verl", "set_active_config", "active_config", "active_sampler", "driver_correction",
     "with_rollout_parity", "apply", "revert", "is_applied",

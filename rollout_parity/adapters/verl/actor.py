@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from rollout_parity.adapters.verl.driver import PROCESSED_FIELD
+from rollout_parity.adapters.verl.driver import OUTSIDE_FIELD, PROCESSED_FIELD
 from rollout_parity.adapters.verl.flags import active_config, active_sampler
 from rollout_parity.core.sampler import SamplerSettings, sampler_logprobs_from_hidden
 
@@ -71,13 +71,16 @@ def forward_step_with_sampler_pass(original: Callable, self: Any, micro_batch: A
         loss, output = original(self, micro_batch, loss_function, forward_only)
     finally:
         handle.remove()
-    output["model_output"][PROCESSED_FIELD] = _processed_from_hidden(micro_batch, captured, head, sampler)
+    processed, outside = _processed_from_hidden(micro_batch, captured, head, sampler)
+    output["model_output"][PROCESSED_FIELD] = processed
+    output["model_output"][OUTSIDE_FIELD] = outside
     return loss, output
 
 
 def _processed_from_hidden(micro_batch: Any, captured: list, head: torch.nn.Module,
-                           sampler: SamplerSettings) -> torch.Tensor:
-    """pi_old processed as vLLM's sampler, at every position of the packed sequences (nested)."""
+                           sampler: SamplerSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """pi_old processed as vLLM's sampler, at every position of the packed sequences (nested), and 1.0
+    where the recomputed kept set missed the token (the boundary rule, ``core/sampler.py``)."""
     if len(captured) != 1:
         raise RuntimeError(f"sampler-aware pi_old: expected one lm_head call per micro-batch, saw {len(captured)}")
     input_ids = micro_batch["input_ids"]
@@ -101,4 +104,5 @@ def _processed_from_hidden(micro_batch: Any, captured: list, head: torch.nn.Modu
     with torch.autocast(device_type=hidden.device.type, enabled=False):  # the fp32 head pass stays fp32
         out = sampler_logprobs_from_hidden(hidden, weight, labels, float(temperature), sampler.top_k,
                                            sampler.top_p, sampler.min_p, bias=bias)
-    return torch.nested.nested_tensor_from_jagged(out.processed, offsets)
+    return (torch.nested.nested_tensor_from_jagged(out.processed, offsets),
+            torch.nested.nested_tensor_from_jagged(out.outside_mask.to(out.processed.dtype), offsets))

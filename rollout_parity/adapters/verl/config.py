@@ -131,6 +131,10 @@ def _refuse(config: Any, cfg: CorrectionConfig, sampler: SamplerSettings, sample
             "caching and async scheduling off, the fp32 head), and the sampler-aware pi_old reproduces vLLM's "
             f"processed logprobs; no {engine} equivalent is written or tested. Set actor_rollout_ref.rollout.name=vllm, "
             f"or drop the +{CONFIG_KEY}.* overrides (verl's own algorithm.rollout_correction works with {engine})")
+    if cfg.rollout_sampling_replay:
+        raise ValueError(f"rollout_sampling_replay=true: verl {verl_version()}'s vLLM server hands its agent loop only "
+                         "token ids and logprobs (TokenOutput), so vLLM's per-token kept sets never reach the actor's "
+                         "pi_old pass; not supported in verl yet (the boundary rule covers the recomputed kept set)")
     rollout = select(config, "actor_rollout_ref.rollout", {})
     refuse_unmatched_sampler(cfg, sampler, penalties=active_penalties(lambda k: select(rollout, k)),
                              modifiers=head_modifiers(_model_config(config)) if sampler_aware else {})

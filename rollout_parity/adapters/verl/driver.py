@@ -12,7 +12,7 @@ comes from" and "Sampler-aware ratios".
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,10 +21,12 @@ from rollout_parity.adapters.verl.flags import MODULE, active_config, active_sam
 from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.sampler import kept_mass_metrics, rollout_on_full_vocabulary
 
-__all__ = ["PROCESSED_FIELD", "driver_correction", "rollout_correction_helper", "batch_in_flight"]
+__all__ = ["PROCESSED_FIELD", "OUTSIDE_FIELD", "driver_correction", "rollout_correction_helper", "batch_in_flight"]
 
-#: The actor's log-prob pass writes pi_old's sampler-processed logprobs under this batch field.
+#: The actor's log-prob pass writes pi_old's sampler-processed logprobs under this batch field ...
 PROCESSED_FIELD = "rollout_parity_old_processed_log_probs"
+#: ... and 1.0 where its recomputed kept set missed the sampled token (the boundary rule applied) under this one.
+OUTSIDE_FIELD = "rollout_parity_old_outside_kept_set"
 # Diagnostics that need pi_theta or the advantages: the loss wrapper logs them, not the driver.
 _METRICS_NEED_POLICY = ("loss_contrib_pos", "loss_contrib_neg", "loss_contrib_rollout_pos",
                         "loss_contrib_rollout_neg", "off_policy_masked_frac")
@@ -48,15 +50,17 @@ def rollout_correction_helper(original: Callable, batch: Any, rollout_corr_confi
     return driver_correction(batch, rollout_corr_config)
 
 
-def _processed_old_log_probs(batch: Any, like: torch.Tensor) -> torch.Tensor:
-    """pi_old's sampler-processed view, written by the actor's log-prob pass (:data:`PROCESSED_FIELD`)."""
+def _processed_old_log_probs(batch: Any, like: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """pi_old's sampler-processed view written by the actor's log-prob pass (:data:`PROCESSED_FIELD`), and
+    where its recomputed kept set missed the token (:data:`OUTSIDE_FIELD`; None when the pass wrote none)."""
     tensors = batch.batch
     if PROCESSED_FIELD in tensors.keys():  # a trainer that hands the worker output on in the batch itself
         value = tensors[PROCESSED_FIELD]
         if tuple(value.shape) != tuple(like.shape):
             raise ValueError(f"{PROCESSED_FIELD} has shape {tuple(value.shape)} but old_log_probs has shape "
                              f"{tuple(like.shape)}: sampler-aware pi_old supports verl's TransferQueue trainers")
-        return value
+        outside = tensors[OUTSIDE_FIELD].bool() if OUTSIDE_FIELD in tensors.keys() else None
+        return value, outside
     meta = _current_batch.get()
     if meta is None:
         raise RuntimeError(
@@ -67,9 +71,13 @@ def _processed_old_log_probs(batch: Any, like: torch.Tensor) -> torch.Tensor:
     from verl.workers.utils.padding import response_from_nested
 
     data = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                           select_fields=[PROCESSED_FIELD, "response_mask"])
-    nested = response_from_nested(data[PROCESSED_FIELD], data["response_mask"])
-    return torch.nested.to_padded_tensor(nested, 0.0, output_size=tuple(like.shape)).to(like.dtype)
+                           select_fields=[PROCESSED_FIELD, OUTSIDE_FIELD, "response_mask"])
+
+    def padded(name: str) -> torch.Tensor:
+        nested = response_from_nested(data[name], data["response_mask"])
+        return torch.nested.to_padded_tensor(nested, 0.0, output_size=tuple(like.shape))
+
+    return padded(PROCESSED_FIELD).to(like.dtype), padded(OUTSIDE_FIELD) != 0
 
 
 def _write_old_log_probs(batch: Any, old: torch.Tensor) -> None:
@@ -105,7 +113,7 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
     old = tensors["old_log_probs"]
     rollout = tensors["rollout_log_probs"]
     sampler = active_sampler()
-    trainer_old = _processed_old_log_probs(batch, old) if sampler is not None else old
+    trainer_old, outside = _processed_old_log_probs(batch, old) if sampler is not None else (old, None)
     driver_cfg = cfg.replace(off_policy_sequence_mask_delta=None)
     with torch.no_grad():
         if cfg.old_logprob_source == "bypass":
@@ -125,8 +133,9 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
         _write_old_log_probs(batch, behaviour)
     metrics = {k: v for k, v in out.metrics.items() if k.split("/", 1)[-1] not in _METRICS_NEED_POLICY}
     if sampler is not None:
-        # log S = full - processed per token (+inf where vLLM sampled outside the trainer's kept set)
-        metrics.update(kept_mass_metrics(old.float() - trainer_old.float(), response_mask))
+        # log S = full - processed per token (over the kept set with the sampled token added, where the
+        # actor's recomputed kept set missed it: ``outside``)
+        metrics.update(kept_mass_metrics(old.float() - trainer_old.float(), response_mask, outside_mask=outside))
     return batch, metrics
 
 
