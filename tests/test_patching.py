@@ -238,3 +238,18 @@ def test_the_framework_s_own_decorator_is_not_a_foreign_wrapper(package):
     defs.Worker.update = someone_elses
     with pytest.raises(RuntimeError, match="refusing to stack"):
         Patches().wrap(defs.Worker, "update", _plus_one, dotted="defs.Worker.update")
+
+
+def test_patched_wraps_for_the_block_only_and_a_nested_block_keeps_the_outer_wrapper():
+    from rollout_parity.adapters._patching import patched
+
+    module = types.ModuleType("stand_in")
+    module.f = lambda x: x
+    original = module.f
+    with patched(module, "f", _plus_one, dotted="stand_in.f"):
+        outer = module.f
+        assert outer(1) == 2 and outer.__wrapped__ is original
+        with patched(module, "f", _plus_one, dotted="stand_in.f"):
+            assert module.f is outer and module.f(1) == 2  # not stacked
+        assert module.f is outer  # the inner block had nothing to undo
+    assert module.f is original

@@ -18,6 +18,7 @@ A name missing at patch time is a :class:`FrameworkAPIError`, never a skipped pa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.abc
@@ -26,11 +27,11 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from rollout_parity.adapters._compat import FrameworkAPIError, check_framework, installed_version
 
-__all__ = ["MARK", "is_ours", "mark", "wrapper", "Patches", "PatchPoint", "ModulePatcher"]
+__all__ = ["MARK", "is_ours", "mark", "wrapper", "Patches", "patched", "PatchPoint", "ModulePatcher"]
 
 #: The one marker every rollout-parity wrapper carries.
 MARK = "__rollout_parity_patch__"
@@ -154,6 +155,17 @@ class Patches:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, behaviour: Callable, *, dotted: str) -> Iterator[None]:
+    """``owner.name`` wrapped by ``behaviour`` while the block runs (a nested block leaves the outer wrapper)."""
+    patches = Patches()
+    patches.wrap(owner, name, behaviour, dotted=dotted)
+    try:
+        yield
+    finally:
+        patches.revert()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import logging
 import shlex
 from typing import Any, Iterator, Optional
 
-from rollout_parity.adapters._patching import Patches
+from rollout_parity.adapters._patching import patched
 from rollout_parity.adapters._refusals import needs_rollout_logprobs
 from rollout_parity.core.config import CorrectionConfig
 
@@ -55,12 +55,8 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
         built["kwargs"] = merged
         return original(*args, **merged)
 
-    patches = Patches()
-    patches.wrap(vllm_generation, "LLM", with_recipe, dotted="trl.generation.vllm_generation.LLM")
-    try:
+    with patched(vllm_generation, "LLM", with_recipe, dotted="trl.generation.vllm_generation.LLM"):
         yield built
-    finally:
-        patches.revert()
 
 
 def server_command(model: str, fp32_lm_head: bool = False, prefix_cache_policy: str = "off",

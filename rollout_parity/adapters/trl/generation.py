@@ -78,7 +78,7 @@ def _engine_outputs(trainer: Any) -> Iterator[list]:
     completions' order, to its module function ``extract_logprobs`` (patched for the block only)."""
     from trl.generation import vllm_generation
 
-    from rollout_parity.adapters._patching import Patches
+    from rollout_parity.adapters._patching import patched
 
     seen: list = []
 
@@ -86,12 +86,8 @@ def _engine_outputs(trainer: Any) -> Iterator[list]:
         seen.extend(all_outputs)
         return original(all_outputs, *args, **kwargs)
 
-    patches = Patches()
-    patches.wrap(vllm_generation, "extract_logprobs", keep, dotted="trl.generation.vllm_generation.extract_logprobs")
-    try:
+    with patched(vllm_generation, "extract_logprobs", keep, dotted="trl.generation.vllm_generation.extract_logprobs"):
         yield seen
-    finally:
-        patches.revert()
 
 
 def observed_forward(state: Any, original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
