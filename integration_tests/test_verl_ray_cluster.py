@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 import pytest
 
@@ -72,7 +73,9 @@ def cluster_runs(tmp_path_factory):
         for name, job_env in JOBS.items():
             workdir = root / name
             workdir.mkdir()
-            entry = ["python", "-m", "verl.trainer.main_ppo", *overrides,
+            # The job runs on the head node with the node's PATH: name the user's interpreter, as
+            # ``ray job submit -- python ...`` does from an activated environment.
+            entry = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides,
                      *base_overrides(model, workdir / "data", steps=1), *FLAGS, f"hydra.run.dir={workdir / 'hydra'}"]
             job = cluster.submit(entry, {**job_env, **run_env(workdir)}, submission_id=f"rollout-parity-{name}")
             (workdir / "job.log").write_text(job.submit_output + "\n---- ray job logs ----\n" + job.logs)
