@@ -26,8 +26,15 @@ DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAST
 
 @contextlib.contextmanager
 def restored_distributed_env() -> Iterator[None]:
-    """Give ``os.environ``'s distributed variables back as they were (TRL's engine setup changes them)."""
+    """Give ``os.environ``'s distributed variables back as they were (TRL's engine setup changes them).
+
+    Inside, ``MASTER_PORT`` is a free port unless already set: accelerate's CPU state writes 29500 when it
+    is unset, and a second TRL process on the machine (another run, a benchmark) may hold that port.
+    """
+    from integration_tests.support.processes import free_port
+
     saved = {k: os.environ.get(k) for k in DISTRIBUTED_ENV}
+    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
     try:
         yield
     finally:
