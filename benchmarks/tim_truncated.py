@@ -66,7 +66,8 @@ Each run is its own process; per-run JSON and logs, ``steps.csv`` and ``calibrat
 
     RESULT harm=... recovered=... calibrated_vs_parity=... (then per-condition ratios)
 
-Command (both experiments, from a clean clone, under 60 minutes on this 2-core CPU):
+Command (both experiments, from a clean clone, under 60 minutes on this 2-core CPU; the full run of
+docs/evidence.md took 18.6 minutes, building the task models included):
 
     bash scripts/run.sh python benchmarks/tim_truncated.py
 """
