@@ -1,9 +1,10 @@
-"""The task of ``tim_training.py``: say the word the prompt names, eight times.
+"""The task of ``tim_training.py`` and ``tim_truncated.py``: say the word the prompt names, N times.
 
 A prompt names one of eight words (``Say blue.``, ``Please say river.``, ...). The answer is
-eight words; the reward is the fraction of the first eight words of the completion that equal
-the named word (0, 1/8, ..., 1). The words are single tokens of the local tokenizer (with their
-leading space), so an answer is eight tokens and the end-of-turn token.
+N words (``answer_words``: 8 in ``tim_training.py``, 32 in ``tim_truncated.py``); the reward is the
+fraction of the first N words of the completion that equal the named word (0, 1/N, ..., 1). The
+words are single tokens of the local tokenizer (with their leading space), so an answer is N
+tokens and the end-of-turn token.
 
 The model is the repository's tiny Qwen2 (``build_tiny_model``: 2 layers, hidden 128, vocab 512,
 built locally), pre-trained here for a few hundred AdamW steps on answers where each word is
@@ -24,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["WORDS", "BIAS", "ANSWER_WORDS", "build_task_model", "prompts", "train_dataset", "eval_prompts",
-           "reward_say_word", "score_completion"]
+           "reward_say_word", "reward_function", "score_completion"]
 
 WORDS = ("red", "green", "blue", "cat", "dog", "tree", "river", "stone")
 BIAS = 0.3  # pre-training: each answer word is the named one with this probability, else uniform
-ANSWER_WORDS = 8
+ANSWER_WORDS = 8  # the first experiment's answer length (tim_training.py)
 _PHRASINGS = ("Say {w}.", "Please say {w}.", "Repeat {w}.", "Only {w} now.", "Tell me {w}.", "Write {w}.")
 _HELD_OUT = ("Just {w}, please.", "Give {w}.")  # phrasings never seen in training (evaluation only)
 _VERSION = 1  # bump when the build changes
@@ -62,29 +63,38 @@ def train_dataset(n: int, seed: int):
                               "target": [w for _, w in picks]})
 
 
-def score_completion(text: str, target: str) -> float:
-    """Fraction of the first ``ANSWER_WORDS`` words of ``text`` that are ``target`` (missing words score 0)."""
-    words = re.findall(r"[a-z]+", text.lower())[:ANSWER_WORDS]
-    return sum(w == target for w in words) / ANSWER_WORDS
+def score_completion(text: str, target: str, answer_words: int = ANSWER_WORDS) -> float:
+    """Fraction of the first ``answer_words`` words of ``text`` that are ``target`` (missing words score 0)."""
+    words = re.findall(r"[a-z]+", text.lower())[:answer_words]
+    return sum(w == target for w in words) / answer_words
 
 
-def reward_say_word(completions: list, target: list[str], **kwargs: Any) -> list[float]:
-    """TRL reward function: ``target`` is the dataset column of the same name."""
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [score_completion(t, w) for t, w in zip(texts, target)]
+def reward_function(answer_words: int = ANSWER_WORDS) -> Any:
+    """A TRL reward function for answers of ``answer_words`` words (``target``: the dataset column)."""
+
+    def reward_say_word(completions: list, target: list[str], **kwargs: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [score_completion(t, w, answer_words) for t, w in zip(texts, target)]
+
+    return reward_say_word
 
 
-def _pretraining_text(tokenizer: Any, rng: random.Random) -> str:
+#: The first experiment's reward function (eight-word answers).
+reward_say_word = reward_function(ANSWER_WORDS)
+
+
+def _pretraining_text(tokenizer: Any, rng: random.Random, answer_words: int) -> str:
     text, word = rng.choice(prompts())
-    answer = [word if rng.random() < BIAS else rng.choice(WORDS) for _ in range(ANSWER_WORDS)]
+    answer = [word if rng.random() < BIAS else rng.choice(WORDS) for _ in range(answer_words)]
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}, {"role": "assistant", "content": " " + " ".join(answer)}],
         tokenize=False)
 
 
 def build_task_model(steps: int = 800, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
-                     log: Any = print) -> str:
-    """Pre-train (or reuse) the task model; returns the path of its bfloat16 checkpoint.
+                     log: Any = print, answer_words: int = ANSWER_WORDS) -> str:
+    """Pre-train (or reuse) the task model for ``answer_words``-word answers; returns the path of its
+    bfloat16 checkpoint.
 
     Loss on every token of the chat-templated pre-training text (prompt and answer), AdamW with
     warm-up and cosine decay. One torch thread: on a CPU shared with other jobs, OpenMP threads
@@ -96,7 +106,7 @@ def build_task_model(steps: int = 800, batch_size: int = 32, lr: float = 3e-3, s
 
     from rollout_parity.testing.tiny_model import build_tiny_model, pretrain
 
-    params = dict(v=_VERSION, words=WORDS, bias=BIAS, n=ANSWER_WORDS, phrasings=_PHRASINGS, steps=steps,
+    params = dict(v=_VERSION, words=WORDS, bias=BIAS, n=answer_words, phrasings=_PHRASINGS, steps=steps,
                   batch_size=batch_size, lr=lr, seed=seed)
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     root = _task_root() / key
@@ -114,7 +124,7 @@ def build_task_model(steps: int = 800, batch_size: int = 32, lr: float = 3e-3, s
     rng = random.Random(seed)
 
     def texts(step: int) -> dict:
-        batch = tokenizer([_pretraining_text(tokenizer, rng) for _ in range(batch_size)], return_tensors="pt",
+        batch = tokenizer([_pretraining_text(tokenizer, rng, answer_words) for _ in range(batch_size)], return_tensors="pt",
                           padding=True)
         return {**batch, "labels": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)}
 

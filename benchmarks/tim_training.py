@@ -170,8 +170,9 @@ def _build_trainer(condition: str, args: argparse.Namespace, model_path: str, ou
     return trainer
 
 
-def _evaluate(model: Any, tokenizer: Any, samples: int, seed: int) -> float:
-    """Mean reward of the trainer's own float32 policy (no engine, no perturbation) on held-out phrasings."""
+def _evaluate(model: Any, tokenizer: Any, samples: int, seed: int, answer_words: int = 8, top_p: float = 1.0) -> float:
+    """Mean reward of the trainer's own float32 policy (no engine, no perturbation) on held-out phrasings,
+    sampled by ``transformers`` at temperature 1 (``top_p`` 1: no truncation)."""
     import torch
 
     from tim_task import eval_prompts, score_completion
@@ -183,10 +184,11 @@ def _evaluate(model: Any, tokenizer: Any, samples: int, seed: int) -> float:
         for text, word in eval_prompts():
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 return_tensors="pt", return_dict=True)
-            out = model.generate(**ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=10,
-                                 num_return_sequences=samples, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(**ids, do_sample=True, temperature=1.0, top_k=0, top_p=top_p,
+                                 max_new_tokens=answer_words + 2, num_return_sequences=samples,
+                                 pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(out[:, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-            scores += [score_completion(t, word) for t in texts]
+            scores += [score_completion(t, word, answer_words) for t in texts]
     return sum(scores) / len(scores)
 
 
