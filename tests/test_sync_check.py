@@ -102,3 +102,36 @@ def test_trainer_probe_logprobs_is_the_model_s_log_softmax_at_the_temperature():
         seq = torch.tensor([1, 2, 6, 7, 8])
         want = (model.emb(seq) * 3 / 0.7).log_softmax(-1)[1:4].gather(-1, seq[2:, None])[:, 0]
     torch.testing.assert_close(got[0], want)
+
+
+def test_one_token_routed_differently_is_no_stale_sync_but_a_broad_gap_is():
+    """The verl MoE run's healthy sync 2: 31 tokens at ~0.012 and one at 4.0 nats (a routing flip between the
+    bf16 engine and the fp32 trainer): 0.136 untrimmed, above the default threshold; trimmed it passes."""
+    engine = torch.log(torch.full((4, 8), 0.5))
+    trainer = engine + 0.012
+    trainer[2, 5] = engine[2, 5] - 4.0
+    flip = judge(engine, trainer, 0.05, sync_index=2)
+    assert math.isclose(flip.delta_abs_mean, (31 * 0.012 + 4.0) / 32, rel_tol=1e-5) and flip.delta_abs_mean > 0.05
+    assert flip.trimmed == 2 and math.isclose(flip.delta_abs_trimmed_mean, 0.012, rel_tol=1e-5) and flip.ok
+    assert "the largest 2 of 32 gaps left out" in flip.message()
+    assert flip.metrics()["weight_sync/probe_delta_abs_trimmed_mean"] == flip.delta_abs_trimmed_mean
+    stale = judge(engine, engine + torch.linspace(0.02, 0.2, 32).reshape(4, 8), 0.05)  # every token moved
+    assert not stale.ok and stale.delta_abs_trimmed_mean > 0.05
+    three = trainer.clone()
+    three[0, 0] = three[1, 1] = engine[0, 0] - 4.0  # three tokens of 32 at 4 nats: more than a trim hides
+    assert not judge(engine, three, 0.05).ok
+
+
+def test_a_probe_under_16_tokens_is_not_trimmed():
+    engine = torch.zeros(1, 15)
+    trainer = engine.clone()
+    trainer[0, 0] = 1.5  # one gap of 1.5 among 15: mean 0.1
+    result = judge(engine, trainer, 0.05)
+    assert result.trimmed == 0 and result.delta_abs_trimmed_mean == result.delta_abs_mean and not result.ok
+    assert "(15 tokens, max 1.5)" in result.message()
+
+
+def test_a_result_decides_on_the_trimmed_mean_when_given():
+    common = dict(sync_index=1, delta_abs_mean=0.2, delta_abs_max=4.0, threshold=0.05, tokens=32)
+    assert not SyncCheckResult(**common).ok  # no trimmed mean given: the plain mean decides
+    assert SyncCheckResult(**common, delta_abs_trimmed_mean=0.01, trimmed=2).ok

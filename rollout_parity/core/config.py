@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 ThresholdSpec = Union[float, str, Sequence[float]]
-#: Default of ``weight_sync_check_threshold`` (mean |delta logprob| on the sync probe); docs/moe.md, "The sync
+#: Default of ``weight_sync_check_threshold`` (trimmed mean |delta logprob| on the sync probe); docs/moe.md, "The sync
 #: check", gives the healthy and broken levels it sits between.
 WEIGHT_SYNC_CHECK_THRESHOLD = 0.05
 #: Flags that take a list (a comma-separated string on a command line).
@@ -232,7 +232,8 @@ class CorrectionConfig:
         default=None, metadata={"help": "check every N-th weight sync (the first included) by scoring a fixed probe "
                                          "on the engine and the trainer; null or 0: off"})
     weight_sync_check_threshold: float = field(
-        default=WEIGHT_SYNC_CHECK_THRESHOLD, metadata={"help": "mean |delta logprob| on the sync probe above which a "
+        default=WEIGHT_SYNC_CHECK_THRESHOLD, metadata={"help": "trimmed mean |delta logprob| on the sync probe (the "
+                                                                "largest 1/16 of the gaps left out) above which a "
                                                                 "checked sync is an error"})
     moe_routing_replay: bool = field(
         default=False, metadata={"help": "MoE: the trainer's pi_old and pi_theta forwards route each token through "
