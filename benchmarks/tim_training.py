@@ -274,7 +274,7 @@ def _mean(values: list) -> float:
 
 
 def _logged(run: dict, key: str) -> list[float]:
-    return [s[key] for s in run["steps"] if s[key] is not None and math.isfinite(s[key])]
+    return [s[key] for s in run["steps"] if s.get(key) is not None and math.isfinite(s[key])]
 
 
 def _final(run: dict, key: str, last: int) -> float:
@@ -317,7 +317,7 @@ def _seed_mean(runs: list[dict], key: str, window: int = 1) -> tuple[list, list]
     per_step: dict[int, list] = {}
     for r in runs:
         for s in r["steps"]:
-            value = s[key]
+            value = s.get(key)
             if value is not None and math.isfinite(value):
                 per_step.setdefault(s["step"], []).append(value)
     pts = sorted((x, statistics.fmean(v)) for x, v in per_step.items() if len(v) == len(runs))

@@ -79,9 +79,7 @@ import contextlib
 import csv
 import dataclasses
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -94,7 +92,8 @@ for _path in (str(HERE), str(ROOT)):  # tim_task, tim_training, and integration_
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from tim_training import (SERIES as _FIRST_SERIES, _LoadSampler, _evaluate, _grpo_kwargs, _perturb_after_sync,  # noqa: E402
+from tim_training import (SERIES as _FIRST_SERIES, _LoadSampler, _evaluate, _grpo_kwargs, _logged, _mean,  # noqa: E402
+                          _perturb_after_sync, _seed_mean,
                           _Averages)
 
 
@@ -140,15 +139,6 @@ _OBSERVED = ("masked_seq_frac", "weight_mean", "weight_ess")
 
 
 # ----------------------------------------------------------------------------- metric (parent process)
-
-
-def _mean(values: list) -> float:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(values) / len(values) if values else float("nan")
-
-
-def _logged(run: dict, key: str) -> list[float]:
-    return [s[key] for s in run["steps"] if s.get(key) is not None and math.isfinite(s[key])]
 
 
 def final_reward(run: dict, last: int) -> float:
@@ -441,18 +431,6 @@ def write_csv(runs: list[dict], path: Path) -> None:
         for r in runs:
             for s in r["steps"]:
                 writer.writerow([r["condition"], r["seed"], s["step"], *(s.get(k) for k in keys)])
-
-
-def _seed_mean(runs: list[dict], key: str, window: int = 1) -> tuple[list, list]:
-    per_step: dict[int, list] = {}
-    for r in runs:
-        for s in r["steps"]:
-            value = s.get(key)
-            if value is not None and math.isfinite(value):
-                per_step.setdefault(s["step"], []).append(value)
-    pts = sorted((x, statistics.fmean(v)) for x, v in per_step.items() if len(v) == len(runs))
-    ys = [statistics.fmean(v for _, v in pts[max(0, i - window + 1): i + 1]) for i in range(len(pts))]
-    return [x for x, _ in pts], ys
 
 
 PANELS = (("reward", "reward (engine samples)", False, 3),
