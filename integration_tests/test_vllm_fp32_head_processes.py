@@ -104,6 +104,7 @@ def _assert_fp32_rollouts(trainer, rollouts: dict, where: str) -> None:
 
 def test_an_engine_core_process_holds_the_fp32_head(engines, trainer):
     recipe = engines["recipe"]
+    print(f"caller pid {engines['caller_pid']}, workers: {recipe['reports']}")
     assert engines["multiprocessing"] == "1"
     assert recipe["held"]["fp32_lm_head"] is True
     assert recipe["reports"] and all(r["pid"] != engines["caller_pid"] for r in recipe["reports"])
@@ -133,6 +134,35 @@ def test_vllm_serve_holds_the_fp32_head(path, trainer, tmp_path_factory):
             rollouts["prompts"].append(prompt)
             rollouts["completions"].append([int(t.split(":", 1)[1]) for t in choice["tokens"]])
             rollouts["logprobs"].append(choice["token_logprobs"])
+    print(f"server pid {server_pid}, workers: {reports}")
     assert reports and {r["head_dtype"] for r in reports} == {"float32"}
     assert all(r["pid"] != server_pid and r["mechanism"].startswith(_mechanism()) for r in reports)
     _assert_fp32_rollouts(trainer, rollouts, "vllm serve")
+
+
+def test_the_names_the_plugin_reaches_hold_in_the_installed_vllm():
+    """What plugin.py, fp32_head.py and head_report.py reach into, read from the installed vLLM."""
+    import inspect
+
+    import vllm
+    from vllm.config.vllm import get_current_vllm_config_or_none
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from rollout_parity.core.engine_head import HEAD_REPORT_RPC, PLUGIN_GROUP
+
+    assert DEFAULT_PLUGINS_GROUP == PLUGIN_GROUP
+    assert list(inspect.signature(LogitsProcessor.forward).parameters)[:4] == [
+        "self", "lm_head", "hidden_states", "embedding_bias"]
+    assert list(inspect.signature(LogitsProcessor._get_logits).parameters)[:4] == [
+        "self", "hidden_states", "lm_head", "embedding_bias"]
+    assert callable(LogitsProcessor._gather_logits) and callable(get_current_vllm_config_or_none)
+    assert {"method", "timeout"} <= set(inspect.signature(vllm.LLM.collective_rpc).parameters)
+    assert callable(Worker.get_model)
+    # vLLM loaded the plugin in this process when it built its first config (or loads it now).
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    assert callable(getattr(WorkerWrapperBase, HEAD_REPORT_RPC))

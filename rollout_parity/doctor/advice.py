@@ -77,7 +77,7 @@ def framework_lines(cfg: Any) -> dict[str, str]:
     nemo_text = yaml.safe_dump(nemo, sort_keys=False, default_flow_style=False).rstrip()
     if cfg.fp32_lm_head:
         nemo_text = ("# fp32_lm_head left out: NeMo RL's policy workers keep the head in policy.precision "
-                     "(docs/nemo_rl.md, \"The fp32 head\")\n" + nemo_text)
+                     "(docs/nemo_rl.md)\n" + nemo_text)
     return {"verl": verl, "trl": trl, "nemo_rl": nemo_text}
 
 
