@@ -238,9 +238,10 @@ def test_the_entry_point_is_the_plugin():
     import tomllib
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["vllm.general_plugins"] == {"rollout_parity": "rollout_parity.adapters.vllm.plugin:register"}
+    target = "rollout_parity.adapters.vllm.plugin:register"
+    assert project["entry-points"]["vllm.general_plugins"] == {"rollout_parity": target}
     (ep,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "rollout_parity"]
-    assert ep.value == "rollout_parity.adapters.vllm.plugin:register"
+    assert ep.value == target
 
 
 def test_verify_engine_rejects_non_engines():
