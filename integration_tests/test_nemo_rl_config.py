@@ -101,11 +101,13 @@ def test_mapping_table():
 
 
 def test_recipe_routing():
-    gen = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
+    gen = nemo_rl_generation_config()["policy"]
     assert gen["generation"]["vllm_cfg"] == {"enable_prefix_caching": False,
                                              "logprobs_mode": "processed_logprobs"}
     assert gen["generation"]["vllm_kwargs"] == {"async_scheduling": False}
-    assert gen["hf_config_overrides"] == {"head_dtype": "float32"}
+    assert "hf_config_overrides" not in gen
+    with pytest.raises(ValueError, match="fp32_lm_head=True cannot be served on NeMo RL"):
+        nemo_rl_generation_config(fp32_lm_head=True)
     with pytest.raises(ValueError, match="vllm_cfg"):
         check_nemo_rl_vllm_kwargs({"logprobs_mode": "processed_logprobs"})
 
@@ -140,16 +142,21 @@ def nemo_engine_kwargs(nemo, monkeypatch, policy: dict) -> dict:
 
 def test_recipe_through_nemo_rls_own_engine_assembly(nemo, monkeypatch):
     """v0.7.0 fixes logprobs_mode itself; main passes vllm_cfg.logprobs_mode or nothing (vLLM's
-    raw default). The recipe lands as processed logprobs, no prefix caching, no async
-    scheduling and the fp32 head on both, and vLLM's own EngineArgs accepts every key."""
+    raw default). The recipe lands as processed logprobs, no prefix caching and no async
+    scheduling on both, and vLLM's own EngineArgs accepts every key. ``policy.hf_config_overrides``
+    reaches vLLM's ``hf_overrides`` (the channel an fp32 vLLM head would take; the recipe refuses
+    fp32_lm_head on NeMo RL because the trainer's head cannot follow)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    policy = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
+    policy = nemo_rl_generation_config()["policy"]
     kwargs = nemo_engine_kwargs(nemo, monkeypatch, policy)
     assert kwargs["logprobs_mode"] == "processed_logprobs"
     assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is False
-    assert kwargs["hf_overrides"] == {"head_dtype": "float32"}
+    assert kwargs["hf_overrides"] == {}
     EngineArgs(**kwargs)
+    by_hand = nemo_engine_kwargs(nemo, monkeypatch, {**policy, "hf_config_overrides": {"head_dtype": "float32"}})
+    assert by_hand["hf_overrides"] == {"head_dtype": "float32"}
+    EngineArgs(**by_hand)
     # Without vllm_cfg.logprobs_mode main leaves vLLM's default, raw logprobs; v0.7.0 does not.
     without = {"generation": {"vllm_cfg": {"enable_prefix_caching": False},
                               "vllm_kwargs": {"async_scheduling": False}}}
