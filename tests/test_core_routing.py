@@ -59,6 +59,8 @@ def test_a_row_the_engine_did_not_generate_keeps_its_own_routing():
     assert routes.shape == (3, 4, L, K) and routes.dtype == torch.int16
     assert (routes[0, 1:3] == 1).all() and (routes[0, [0, 3]] == -1).all()  # padding and the last token: own
     assert (routes[1:] == -1).all()  # another last token; a longer sequence with the same prefix
+    assert torch.equal(table(ids, mask), routes)  # the table is the routes function RoutingReplay calls
+    assert (table.lookup(ids[2:, :3]) == 1).all(-1).all(-1)[0, :2].all()  # no mask: every token is real
     assert (RouteTable([], [], L, K).lookup(ids, mask) == -1).all()
     with pytest.raises(ValueError, match=r"routes of row 0 have shape \(2, 3\)"):
         align_routes([torch.ones(2, 3)], mask[:1], L, K)

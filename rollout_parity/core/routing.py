@@ -106,7 +106,8 @@ class RouteTable:
     def __len__(self) -> int:
         return self._tokens.shape[0]
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """:meth:`lookup`, as the routes function ``adapters/_routing.RoutingReplay`` calls per forward."""
         return self.lookup(input_ids, attention_mask)
 
     def _device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
