@@ -261,3 +261,27 @@ def test_routing_replay_keeps_the_prefix_cache_on_and_never_serves_it_across_a_w
     assert gap < 1e-3  # the recipe's level; measured 0 (same bf16 weights, same CPU kernels, one thread)
     assert after_again == pytest.approx(after, abs=1e-6)  # the new version's cache serves the new weights
     assert stale_gap > 0.05, stale_gap  # served across the sync, the old blocks move the logprobs
+
+
+def test_a_prefix_cache_reset_vllm_declines_after_a_sync_is_an_error():
+    """The adapter's reset after TRL's sync: only with the cache on, and a declined one (vLLM answers False while
+    a request runs) stops the run instead of serving old prefixes."""
+    from types import SimpleNamespace
+
+    from rollout_parity.adapters.trl.sync import reset_prefix_cache
+
+    def engine(cache_on: bool, answer: bool):
+        calls: list = []
+        config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=cache_on))
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config),
+                               reset_prefix_cache=lambda: calls.append("reset") or answer), calls
+
+    off, calls = engine(False, False)
+    reset_prefix_cache(off)
+    assert calls == []  # the recipe's engine has no cache to reset
+    on, calls = engine(True, True)
+    reset_prefix_cache(on)
+    assert calls == ["reset"]
+    declined, _ = engine(True, False)
+    with pytest.raises(RuntimeError, match="declined to reset the colocated engine's prefix cache"):
+        reset_prefix_cache(declined)

