@@ -144,6 +144,7 @@ def vllm_parity_kwargs(
     *,
     vllm_version: str | None = None,
     sampling_replay: bool = False,
+    routed_experts: bool = False,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Engine kwargs for ``vllm.LLM(...)`` / ``AsyncEngineArgs(...)`` that hold the recipe.
@@ -151,6 +152,11 @@ def vllm_parity_kwargs(
     ``sampling_replay=True`` (the ``rollout_sampling_replay`` flag) adds ``return_sampling_mask=True``:
     each sampled token comes back with the kept set vLLM sampled it from (Model Runner V2, which
     needs Triton; every request needs temperature > 0 and top_k > 0; ``core/replay.py``).
+
+    ``routed_experts=True`` (the ``moe_routing_replay`` flag) adds ``enable_return_routed_experts=True``.
+    vLLM 0.31 returns routes only from Model Runner V2 *and with prefix caching on* (``vllm/config/vllm.py``,
+    ``_verify_aux_output_compatibility``: "AuxOutput Connector requires prefix caching"), so it needs
+    ``prefix_cache_policy`` ``reset`` or ``salt``; ``off`` raises, naming them.
 
     ``prefix_cache_policy`` other than ``off`` keeps prefix caching on (the weight-update
     helper then resets or salts it). ``overrides`` are extra engine kwargs (e.g.
@@ -200,6 +206,14 @@ def vllm_parity_kwargs(
                                        f"{MIN_VLLM_VERSION['return_sampling_mask']}): rollout_sampling_replay "
                                        "cannot be served; upgrade vLLM or turn it off")
         kwargs["return_sampling_mask"] = True
+    if routed_experts:
+        if policy == "off":
+            raise ValueError(
+                "routed_experts=True (moe_routing_replay) with prefix_cache_policy='off': vLLM returns routed "
+                "experts only with prefix caching on ('AuxOutput Connector requires prefix caching'); use "
+                "prefix_cache_policy='reset' (the cache is reset after every weight update) or 'salt'"
+            )
+        kwargs["enable_return_routed_experts"] = True
 
     for key, value in overrides.items():
         if key in kwargs and kwargs[key] != value:
