@@ -11,10 +11,10 @@ A quoted figure sits between two marker comments; the renderer replaces what is 
 SOURCE names a saved run (:data:`RUNS`: the JSON ``rollout-parity doctor --json`` wrote, and the command
 that wrote it). VIEW is one of :data:`VIEWS` (``table``: the ablation table as the doctor prints it;
 ``recommendation``: what the doctor prints after it; ``flags``: its "flags to add" line; ``advice``: its part on rejection; ``lines.verl`` / ``lines.trl`` / ``lines.nemo_rl``:
-one framework's lines; ``command``: the command that made the run, as inline code), or PATH is a dotted path into the
+one framework's lines; ``command``: the command that made the run, as inline code; ``command.block``: as a code block), or PATH is a dotted path into the
 report (``rows.d.delta_abs_mean``: a row by its name; ``rec.``: the recommendation, recomputed with
-today's code from the saved measurements) with a format (:func:`_format`: a Python format spec such as ``.2e`` or ``.1%``, or ``text``, ``flags``,
-``pct``; a leading backquote makes it inline code).
+today's code from the saved measurements) with a format (:func:`_format`: a Python format spec such as ``.2e`` or ``.1%``, or ``text``, ``block`` (a text
+block), ``flags``, ``pct``; a leading backquote makes it inline code).
 ``<!-- doctor:runs:thresholds -->`` is the rejection-threshold table of docs/thresholds.md, from the
 saved runs' threshold scans.
 
@@ -143,11 +143,13 @@ def lookup(report: Mapping[str, Any], path: str) -> Any:
 
 
 def _format(value: Any, fmt: str) -> str:
-    """``value`` as ``fmt`` says: a format spec, ``text``, ``list``, ``flags`` (``k=v, ...`` as the doctor
+    """``value`` as ``fmt`` says: a format spec, ``text``, ``block``, ``list``, ``flags`` (``k=v, ...`` as the doctor
     prints its flags), ``pct`` (a share with one decimal and a space before %); a leading backquote wraps
     the result in one (inline code)."""
     if fmt.startswith("`"):
         return f"`{_format(value, fmt[1:])}`"
+    if fmt == "block":
+        return _fence(str(value))
     if fmt == "flags":
         return ", ".join(f"{k}={v}" for k, v in value.items())
     if fmt == "pct":
@@ -189,10 +191,10 @@ def render_spec(spec: str, root: Path = ROOT, cache: dict[str, Any] | None = Non
     source, _, rest = spec.partition(":")
     if source == "runs" and rest == "thresholds":
         return thresholds_table(root, cache)
-    if rest == "command":
+    if rest in ("command", "command.block"):
         if source not in RUNS:
             raise KeyError(f"unknown doctor run {source!r}")
-        return f"`{_command(source)}`"
+        return f"`{_command(source)}`" if rest == "command" else "\n```bash\n" + _command(source) + "\n```\n"
     report = load_run(source, root, cache)
     if rest in VIEWS:
         return VIEWS[rest](report)

@@ -168,8 +168,9 @@ def collect() -> list[Example]:
         doc = ast.get_docstring(ast.parse(text)) or ""
         for command in commands(doc):
             flags, preset = _cli(command)
-            if flags or preset:
-                found.append(Example(f"{rel(script)} (docstring)", flags, preset, _length(command) or length))
+            if flags or preset:  # the file's own default length only where the command runs this file
+                own = length if script.name in command else None
+                found.append(Example(f"{rel(script)} (docstring)", flags, preset, _length(command) or own))
         found += [Example(rel(script), f, p, length) for f, p in _python(text)]
     for page in pages():
         for b in blocks(page):
@@ -237,3 +238,35 @@ def test_the_readmes_python_runs_as_written():
             exec(compile(b.text, b.where, "exec"), {"__name__": "__readme__"})
             ran += 1
     assert ran >= 1
+
+
+def test_the_saved_tokens_give_back_the_doctors_own_prediction():
+    """predict_dropped on a saved run's tokens is the doctor's own rej@L for the parity rows (same draws, same
+    correction): what this file asserts about the examples is what the doctor would have printed for them."""
+    report = json.loads((ROOT / "docs" / "data" / "doctor_8192.json").read_text())
+    cfg = CorrectionConfig.from_dict(report["correction_config"])
+    length = report["lengths"]["response_length"]
+    got = predict_dropped(cfg, report, length)
+    rows = {r["row"]: r for r in report["rows"]}
+    assert set(got) == set(report["lengths"]["parity_rows"]) and got
+    for name, share in got.items():
+        assert share == rows[name]["rejected_seq_frac_at_length"], name
+
+
+def test_the_saved_tokens_round_trip_exactly():
+    import torch
+
+    from rollout_parity.doctor.lengths import tokens_from_report, tokens_to_json
+
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(6, 9, generator=gen)
+    rollout = old + 1e-3 * torch.randn(6, 9, generator=gen)
+    mask = torch.ones(6, 9)
+    mask[2, 4:] = 0  # one completion ended early (EOS): right padding
+    old, rollout = old * mask, rollout * mask
+    report = json.loads(json.dumps({"lengths": {"tokens": {"d": tokens_to_json((old, rollout, mask))}}}))
+    back = tokens_from_report(report)["d"]
+    assert all(torch.equal(a, b) for a, b in zip(back, (old, rollout, mask)))
+    mask[3, 1] = 0  # a hole inside a completion is not a doctor row's mask
+    with pytest.raises(ValueError, match="prefix"):
+        tokens_to_json((old, rollout, mask))

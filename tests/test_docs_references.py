@@ -155,7 +155,8 @@ def _cli_options() -> dict[str, set[str]]:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 out[name] = {s for a in sub._actions for s in a.option_strings}
-    out.setdefault("launch", {s for a in launch_parser()._actions for s in a.option_strings})
+    # `launch` parses its own options (rollout_parity/launcher.py), whether or not the CLI lists it
+    out["launch"] = out.get("launch", set()) | {s for a in launch_parser()._actions for s in a.option_strings}
     return out
 
 
@@ -228,6 +229,22 @@ def test_every_command_and_option_named_in_the_docs_exists():
                 elif sub in _cli_options():
                     bad += [f"{where}: {p}" for p in _check_command(words[i + 1:])]
     assert not bad, "commands the CLI does not have:\n" + "\n".join(bad)
+
+
+#: Pages that document one command's options: every `--option` in their prose must be that command's.
+OPTION_PAGES = {"docs/doctor.md": "doctor", "docs/thresholds.md": "doctor", "docs/check.md": "check"}
+
+
+def test_every_option_a_command_page_names_exists():
+    bad = []
+    for page_name, command in OPTION_PAGES.items():
+        page = ROOT / page_name
+        for n, line in prose_lines(page):
+            for code in inline_code(line):
+                for word in re.split(r"[\s/,]+", code):
+                    if re.match(r"--[a-z]", word) and not _known(word, _cli_options()[command]):
+                        bad.append(f"{page_name}:{n}: {word} (`rollout-parity {command}` has no such option)")
+    assert not bad, "\n".join(bad)
 
 
 def test_the_command_checker_catches_a_wrong_option_and_command():
