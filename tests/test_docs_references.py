@@ -175,7 +175,7 @@ def _check_command(words: list[str]) -> list[str]:
     parsers = _cli_options()
     if not words or words[0].startswith(("<", "[", ".")):  # a placeholder: `rollout-parity <command>`, `...`
         return []
-    if words[0] in ("-h", "--help"):
+    if words[0].startswith("-"):  # an option of the program itself (its help)
         return []
     command = words[0]
     if command not in parsers:
