@@ -171,6 +171,8 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
     lines = rec["lines"]
     out += ["", "verl (add to python -m verl.trainer.main_ppo ...):", lines["verl"],
             "", "TRL (ParityGRPOConfig through TrlParser):", "    " + lines["trl"],
-            "", "NeMo RL (merge into the recipe; run it with rollout-parity launch examples/run_grpo.py --config ...):"] + ["    " + line for line in lines["nemo_rl"].splitlines()]
+            "", "NeMo RL (merge into your recipe YAML; run NeMo RL's own examples/run_grpo.py under the launcher:",
+            "    rollout-parity launch examples/run_grpo.py --config my_recipe.yaml):"]
+    out += ["    " + line for line in lines["nemo_rl"].splitlines()]
     return "\n".join(out)
 

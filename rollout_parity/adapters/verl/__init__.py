@@ -20,7 +20,7 @@ The rooms, in the order a run meets them:
 * ``compat``  the tested verl range, the names the adapter needs, TRL side by side;
 * ``patches`` where each behaviour is attached, through ``adapters/_patching.py``: apply, revert.
 
-Math: ../shared/DESIGN.md and ``rollout_parity.core``. Everything else: docs/verl.md.
+Math: docs/flags.md and ``rollout_parity.core``. Everything else: docs/verl.md.
 """
 
 from __future__ import annotations

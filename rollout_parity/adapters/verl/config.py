@@ -59,7 +59,7 @@ def correction_config_from_verl(config: Any) -> Optional[CorrectionConfig]:
 
 
 def check_no_double_correction(config: Any, cfg: CorrectionConfig) -> None:
-    """Raise when verl's own rollout correction would act next to ours (DESIGN.md, "Bad input")."""
+    """Raise when verl's own rollout correction would act next to ours (docs/flags.md, "Bad input")."""
     rc = select(config, "algorithm.rollout_correction")
     if rc is not None:
         own = {k: select(rc, k) for k in ("rollout_is", "rollout_rs") if select(rc, k) is not None}
@@ -327,7 +327,7 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         logger.info("rollout-parity: %s: %r -> %r", key, old, new)
     if cfg.off_policy_sequence_mask_delta is not None and cfg.old_logprob_source == "recompute":
         logger.warning("off_policy_sequence_mask_delta in verl decoupled mode: the loss does not see rollout "
-                       "logprobs, so the behaviour policy of the off-policy mask is pi_old (DESIGN.md fallback)")
+                       "logprobs, so the behaviour policy of the off-policy mask is pi_old (docs/verl.md)")
     return cfg
 
 
