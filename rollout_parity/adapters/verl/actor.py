@@ -115,6 +115,9 @@ def forward_step_with_sampler_pass(original: Callable, self: Any, micro_batch: A
     finally:
         handle.remove()
         self.__dict__.pop(_PASS, None)
+    if state.output_args is None:
+        raise RuntimeError("sampler-aware pi_old: verl's prepare_model_inputs handed over no labels (an engine that "
+                           "builds its model inputs itself?)")
     if state.calls != 1 or state.rows is None:
         raise RuntimeError(f"sampler-aware pi_old: expected one lm_head call per micro-batch, saw {state.calls}")
     rows = _gathered(self, state)

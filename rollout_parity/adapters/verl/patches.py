@@ -61,11 +61,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                moe_after_ipc_update, optional=True),
     PatchPoint("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights", checked_update_weights,
                optional=True),
-    # verl's vLLM server (rollout.py): the engine kwargs' hf_overrides merged into verl's own (quantization)
+    # verl's vLLM server (rollout.py): the engine kwargs' hf_overrides merged into verl's own (quantization). Only
+    # its process imports the module (and vLLM): not checked at start, a missing name fails loudly there.
     PatchPoint("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer._preprocess_engine_kwargs",
-               engine_kwargs_without_hf_overrides),
+               engine_kwargs_without_hf_overrides, optional=True),
     PatchPoint("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer._apply_quantization",
-               quantization_with_hf_overrides),
+               quantization_with_hf_overrides, optional=True),
     # verl 0.9's V1 trainer. verl 0.8's main_ppo_sync has the same method, but ``python -m`` runs
     # that module as __main__ and Ray pickles its PPOTrainer by value: no import to patch on, so
     # what needs this hook is refused there at start (config.py).

@@ -29,7 +29,7 @@ from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncEr
 __all__ = ["moe_after_ipc_update", "checked_update_weights", "trainer_logprobs_where_verl_computes", "refuse_sync_flags",
            "SYNC_CHECK_VERL_NAMES"]
 
-#: What the sync check needs of verl, checked at start when ``weight_sync_check_interval`` is set.
+#: What the sync check needs of verl (wraps or calls), checked at start when ``weight_sync_check_interval`` is set.
 SYNC_CHECK_VERL_NAMES = ("verl.workers.engine_workers.ActorRolloutRefWorker.update_weights",
                          "verl.workers.engine.fsdp.transformer_impl.FSDPEngine.to", "verl.utils.device.get_device_id",
                          "verl.utils.device.get_device_name")
