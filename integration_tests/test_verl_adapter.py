@@ -449,8 +449,6 @@ def test_verl_08s_main_ppo_sync_refuses_bypass_with_rejection_at_start(tmp_path)
     (["+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_prefix_caching=true"], "enable_prefix_caching"),
     (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.model.use_fused_kernels=true"], "use_fused_kernels"),
     (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.actor.strategy=megatron"], "strategy"),
-    (["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
-     "sequence parallelism"),
     (["actor_rollout_ref.rollout.top_k=20", "++trainer.use_v1=false"], "use_v1"),
     # the vLLM recipe and the sampler-aware pi_old have no SGLang form: not "sampler-aware" under vLLM's kwargs
     (["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.top_p=0.9"], "rollout.name='sglang'"),

@@ -106,17 +106,13 @@ def _model_config(config: Any) -> Any:
 
 
 def _refuse_outside_fsdp_head_pass(config: Any, what: str) -> None:
-    """Our trainer-side hooks live in verl's FSDP engine, in its unfused, unsplit head pass."""
+    """Our trainer-side hooks live in verl's FSDP engine, in its unfused head pass (Ulysses slices included)."""
     strategy = select(config, "actor_rollout_ref.actor.strategy")
     if strategy not in (None, "fsdp", "fsdp2"):
         raise ValueError(f"{what}: supported with the FSDP actor (strategy fsdp/fsdp2), got strategy={strategy!r}")
     if select(config, "actor_rollout_ref.model.use_fused_kernels", False):
         raise ValueError(f"{what}: actor_rollout_ref.model.use_fused_kernels=true computes logprobs inside a fused "
                          "kernel that never calls the lm_head module; set it to false")
-    sp = select(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1)
-    if int(sp) > 1:
-        raise ValueError(f"{what}: Ulysses sequence parallelism (ulysses_sequence_parallel_size={sp}) splits the "
-                         "hidden states across ranks; not supported")
 
 
 def _refuse(config: Any, cfg: CorrectionConfig, sampler: SamplerSettings, sampler_aware: bool) -> None:
