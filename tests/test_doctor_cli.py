@@ -196,7 +196,7 @@ def test_framework_lines_spell_each_frameworks_syntax():
     k1 = CorrectionConfig(rollout_rejection=["seq_mean_k1", "token_k3"], rollout_rejection_threshold=["0.5_2.0", 0.01])
     lines = framework_lines(k1)
     assert "+rollout_parity.rollout_rejection_threshold=['0.5_2.0',0.01]" in lines["verl"]
-    assert "--rollout_rejection_threshold 0.5_2.0 0.01" in lines["trl"]
+    assert "--rollout_rejection_threshold 0.5_2.0,0.01" in lines["trl"]  # one token: TRL and the launcher
 
 
 def test_run_doctor_validates_before_requirements(monkeypatch):
