@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from rollout_parity import CorrectionConfig
-from rollout_parity.core.config import FlagError
+from rollout_parity.core.config import FlagError, refuse_unknown
 from rollout_parity.testing.stack import need
 
 K1 = ["seq_mean_k1"]
@@ -158,6 +158,10 @@ def test_a_misspelt_key_of_a_mapping_names_the_closest_flag():
         CorrectionConfig.from_dict({"nonsense": 1})
     with pytest.raises(FlagError, match=r"unknown preset 'tis_srs_k2' \(did you mean 'tis_srs_k3'\?\)"):
         CorrectionConfig.preset("tis_srs_k2")
+    # a framework's block names the keys as the user wrote them
+    with pytest.raises(FlagError) as info:
+        refuse_unknown(["fp32_lm_hed", "preset"], [*CorrectionConfig.field_names(), "preset"], where="block.")
+    assert str(info.value) == "unknown flag block.fp32_lm_hed (did you mean 'block.fp32_lm_head'?)"
 
 
 @pytest.mark.verl
