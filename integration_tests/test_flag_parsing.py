@@ -195,6 +195,23 @@ def test_trls_parser_refuses_a_near_miss_of_a_shared_flag_in_one_line(typo, mean
 
 
 @pytest.mark.trl
+def test_a_typo_after_the_script_under_the_launcher(tmp_path, capsys):
+    """An unmodified script's ``TrlParser`` parses the launcher's ``GRPOConfig``: the typo is refused there."""
+    need("trl", extra="trl")
+    from rollout_parity.cli import main
+
+    script = tmp_path / "grpo.py"
+    script.write_text("from trl import GRPOConfig, TrlParser\n"
+                      "TrlParser((GRPOConfig,)).parse_args_and_config()\n")
+    code = main(["launch", "--preset", "tis_srs_k3", str(script), "--output_dir", str(tmp_path), "--use_cpu", "true",
+                 "--rollout_importance_sampling_mod", "token_mask"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown option --rollout_importance_sampling_mod (did you mean " \
+                               "'--rollout_importance_sampling_mode'?)" in err[0], err
+
+
+@pytest.mark.trl
 def test_trls_own_options_keep_trls_parsing(tmp_path):
     """Only the shared flags lose argparse's prefix matching; an abbreviation of TRL's own option is TRL's
     business (argparse takes it, as without rollout-parity)."""
