@@ -89,7 +89,10 @@ def _shared_field(name: str) -> Any:
     core = CorrectionConfig.__dataclass_fields__[name]
     relation = _TRL_RELATION.get(name)
     help_text = f"[rollout-parity] {core.metadata.get('help', '')}" + (f". TRL: {relation}" if relation else "")
-    return field(default=core.default, metadata={"help": help_text, "action": _SharedFlag})
+    metadata: dict[str, Any] = {"help": help_text}
+    if not isinstance(core.default, bool):  # one guarded field guards the parser; a bool field defaulting to
+        metadata["action"] = _SharedFlag    # true (the launcher's) also gets a --no_ twin, store_false
+    return field(default=core.default, metadata=metadata)
 
 
 @dataclass
