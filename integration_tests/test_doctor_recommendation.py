@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import shlex
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
@@ -91,16 +90,17 @@ def test_nemo_rl_yaml_builds_the_same_loss_and_generation_config(name):
     doc = OmegaConf.create(yaml.safe_load(framework_lines(cfg)["nemo_rl"]))
     with pytest.raises(UnsupportedInterpolationType, match="rollout_parity"):  # NeMo RL's reading, no hook
         OmegaConf.to_container(doc, resolve=True)
-    with ANCHORS.activate("v0.7.0"), launched(), warnings.catch_warnings():  # rollout-parity launch's hook
-        warnings.simplefilter("ignore", UserWarning)  # fp32_lm_head: NeMo RL's trainer side is not ours
+    with ANCHORS.activate("v0.7.0"), launched():  # rollout-parity launch's hook
         OmegaConf.to_container(doc, resolve=True)
         loss_fn = RolloutParityLossFn.from_nemo_config(doc.loss_fn)
-    assert loss_fn.correction == cfg
+    # NeMo RL refuses fp32_lm_head (its trainer head stays bf16): the lines leave it out and say so.
+    assert loss_fn.correction == cfg.replace(fp32_lm_head=False)
+    assert framework_lines(cfg)["nemo_rl"].startswith("# fp32_lm_head left out") == cfg.fp32_lm_head
     policy = OmegaConf.to_container(doc.policy)
-    assert policy == nemo_rl_generation_config(fp32_lm_head=cfg.fp32_lm_head)["policy"]
+    assert policy == nemo_rl_generation_config()["policy"]
     check_nemo_rl_vllm_kwargs(policy["generation"]["vllm_kwargs"])
     assert policy["generation"]["vllm_cfg"]["logprobs_mode"] == "processed_logprobs"
-    assert ("hf_config_overrides" in policy) == cfg.fp32_lm_head
+    assert "hf_config_overrides" not in policy
 
 
 # ----------------------------------------------------------------------------- the lines as printed
@@ -175,4 +175,4 @@ def test_every_printed_line_runs_under_the_command_it_names(name, tmp_path):
     # NeMo RL: the YAML to merge into the recipe, read as rollout-parity launch's hook reads loss_fn
     assert "NeMo RL's own examples/run_grpo.py" in blocks["NeMo RL"][0]
     doc = OmegaConf.create(yaml.safe_load(textwrap.dedent("\n".join(blocks["NeMo RL"][1:]))))
-    assert split_loss_config(doc.loss_fn)[0] == expected
+    assert split_loss_config(doc.loss_fn)[0] == expected.replace(fp32_lm_head=False)  # NeMo RL refuses it, said so

@@ -31,6 +31,7 @@ _EXPORTS = {
     "vllm_parity_kwargs": "rollout_parity.core.vllm_recipe",
     "vllm_serve_flags": "rollout_parity.core.vllm_recipe",
     "verify_engine": "rollout_parity.core.vllm_recipe",
+    "verify_engine_async": "rollout_parity.core.vllm_recipe",
     "WeightVersion": "rollout_parity.core.weight_update",
     "update_weights_in_flight": "rollout_parity.core.weight_update",
     "update_weights_sync": "rollout_parity.core.weight_update",

