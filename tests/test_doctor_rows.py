@@ -7,7 +7,7 @@ weight updates, the sampler, and the trainer's head and view. The doctor's engin
 kwargs it is built with, and the rounds record which engine, policy and sampling each measured
 configuration got. The recorded kwargs (with the doctor's sizing) then go through vLLM's own
 ``EngineArgs(...).create_engine_config()`` on a tiny local model, and ``describe_engine`` reads the
-resolved settings, which must be the row's. Breaking the mapping in ``doctor/rows.py``
+resolved settings (the head dtype as the config asks for it), which must be the row's. Breaking the mapping in ``doctor/rows.py``
 (``CONFIGS``, ``engine_kwargs``, ``ROW_SPECS``) or in ``measure._sample`` fails here.
 """
 
@@ -132,4 +132,5 @@ def test_each_rows_engine_resolves_to_the_rows_settings_in_vllm(sampled):
         assert got["enable_prefix_caching"] is want["prefix_cache"], (spec.name, got)
         if want["async_off"]:
             assert got["async_scheduling"] is False, (spec.name, got)
-        assert got["head_dtype"].startswith("float32") is want["fp32_head"], (spec.name, got)
+        # the head dtype the engine's resolved config asks for (measuring it needs the engine's processes)
+        assert got["head_dtype_asked"].startswith("float32") is want["fp32_head"], (spec.name, got)
