@@ -1,6 +1,6 @@
 """rollout-parity: remove, then correct, the training-inference mismatch of LLM RL.
 
-The public face is fixed by DESIGN.md; adapters and users import only these names.
+The public face (docs/flags.md); adapters and users import only these names.
 Attributes resolve lazily so that ``import rollout_parity`` costs nothing beyond torch
 and never imports a framework.
 """

@@ -34,7 +34,7 @@ What counts as a test setting one (a static ``ast`` scan of ``tests/`` and ``int
   in a test string, with a non-default value;
 * for the verl block: a Hydra override ``rollout_parity.<flag>=<value>`` in a string, or the key in a
   dict literal held under ``"rollout_parity"``;
-* for a command line: the option string (``--top-k``) with a non-default value after it, in a list or a
+* for a command line: the option string (``--top_k``) with a non-default value after it, in a list or a
   command string; the subcommand is the one named in that list, string or test function (``launch``
   for a function calling ``rollout_parity.launcher``); a ``--<field>`` with no subcommand around it is
   TRL's command line, which sets ``ParityGRPOConfig`` fields (``TrlParser``).

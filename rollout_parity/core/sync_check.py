@@ -84,12 +84,13 @@ def engine_probe_params(model_config: Any, probe: SyncProbe, temperature: float)
 
 
 def trainer_probe_logprobs(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                           temperature: float = 1.0) -> torch.Tensor:
+                           temperature: float = 1.0, device: Any = None) -> torch.Tensor:
     """(N, K) logprobs of each completion token under a Hugging Face causal LM, ``log_softmax(logits / T)``
-    in fp32; one forward of the right-padded batch (padding sits after every scored token)."""
+    in fp32; one forward of the right-padded batch (padding sits after every scored token). ``device``: where
+    the model computes (default: where its parameters are; a trainer that keeps them offloaded names its own)."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     width, k = max(lengths), max(len(c) for c in completions)
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device if device is None else torch.device(device)
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for i, (p, c) in enumerate(zip(prompts, completions)):

@@ -178,8 +178,8 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
             "", "TRL (the flags of a script parsing ParityGRPOConfig with TrlParser, e.g. "
                 f"python {TRL_EXAMPLE} <flags>):", "    " + lines["trl"],
             "", "TRL, an unmodified GRPO script (the same flags before the script):", "    " + lines["launch"],
-            "", "NeMo RL (merge into the recipe; run NeMo RL's own examples/run_grpo.py with "
-                "rollout-parity launch examples/run_grpo.py --config <recipe>):"]
+            "", "NeMo RL (merge into your recipe YAML; run NeMo RL's own examples/run_grpo.py under the launcher:",
+            "    rollout-parity launch examples/run_grpo.py --config my_recipe.yaml):"]
     out += ["    " + line for line in lines["nemo_rl"].splitlines()]
     return "\n".join(out)
 

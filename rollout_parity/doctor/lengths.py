@@ -3,8 +3,8 @@
 A sum over tokens grows with the answer: ``seq_sum_k3`` at parity is about ``L x`` the mean
 per-token K3, so a threshold set at one length rejects healthy data at a longer one (the paper's
 0.001 was set for 8,192-token answers whose tokens are mostly bit-identical). The doctor measures
-``M`` tokens per completion (``--max-tokens``) and predicts at the user's length ``L``
-(``--response-length``) by a block bootstrap: a pseudo-answer of ``L`` tokens is whole measured
+``M`` tokens per completion (``--max_tokens``) and predicts at the user's length ``L``
+(``--response_length``) by a block bootstrap: a pseudo-answer of ``L`` tokens is whole measured
 completions of the same row, drawn with replacement and concatenated (so the structure inside a
 completion is kept), ``DRAWS`` of them; the statistic or the full correction is then computed on
 them as on a real batch. It assumes later tokens of a long answer mismatch like the first ``M``;
@@ -16,7 +16,7 @@ at a length it only predicts, no more than :data:`UNMEASURED` of that:
 
 * ``seq_mean_*`` (length-normalised) is fitted at ``M``, where its spread is widest, and checked at
   ``L`` (or at :data:`REFERENCE_LENGTHS` when no length is given): a mean concentrates as ``L`` grows;
-* ``seq_sum_*`` needs the length: without ``--response-length`` the advice switches to ``seq_mean_*``;
+* ``seq_sum_*`` needs the length: without ``--response_length`` the advice switches to ``seq_mean_*``;
   with it, the sum is fitted at ``L`` unless the mismatch is dense (a healthy answer's median sum
   reaches the preset's threshold or :data:`DENSE_SHARE` of the fitted one, so the threshold mostly
   measures length; or nothing within 100x the preset fits), in which case it switches too;
@@ -39,7 +39,7 @@ from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.ratios import TokenStats, sanitized_log_ratio
 
 __all__ = ["BUDGET", "UNMEASURED", "DENSE_SHARE", "DRAWS", "GRID", "REFERENCE_LENGTHS", "resample", "statistic",
-           "dropped_share", "fit_rejection", "length_scan"]
+           "dropped_share", "fit_rejection", "length_scan", "tokens_to_json", "tokens_from_report", "predict_dropped"]
 
 #: The advice never drops more than this share of the parity rows' sequences (or tokens, token-level).
 BUDGET = 0.05
@@ -156,6 +156,61 @@ def dropped_share(cfg: CorrectionConfig, tensors: Tensors) -> float:
     return float((has_tokens & ~alive).sum()) / n if n else 0.0
 
 
+def tokens_to_json(tensors: Tensors) -> dict[str, list[str]]:
+    """One row's measured ``(pi_old, pi_rollout, mask)`` for the JSON report: per completion, one string of
+    its valid tokens' logprobs (space-separated, float32's 9 significant digits: exact).
+
+    The mask of a doctor row is a prefix per completion (right padding), so :func:`tokens_from_report`
+    gives back the same tensors and a saved run predicts any flags at any length without an engine
+    (:func:`predict_dropped`).
+    """
+    old, rollout, mask = tensors
+    valid = mask != 0
+    n = valid.sum(-1)
+    if not bool((valid == (torch.arange(mask.shape[1]) < n[:, None])).all()):
+        raise ValueError("tokens_to_json: the mask must be a prefix of each completion (right padding)")
+
+    def rows(t: torch.Tensor) -> list[str]:
+        return [" ".join(f"{x:.9g}" for x in t[r, : int(n[r])].tolist()) for r in range(t.shape[0])]
+
+    return {"trainer_logprobs": rows(old), "rollout_logprobs": rows(rollout)}
+
+
+def tokens_from_report(report: Mapping[str, Any]) -> dict[str, Tensors]:
+    """The parity rows' ``(pi_old, pi_rollout, mask)`` saved in a doctor report (``lengths.tokens``)."""
+    out = {}
+    for name, saved in ((report.get("lengths") or {}).get("tokens") or {}).items():
+        seqs = [([float(x) for x in o.split()], [float(x) for x in ro.split()])
+                for o, ro in zip(saved["trainer_logprobs"], saved["rollout_logprobs"], strict=True)]
+        width = max((len(o) for o, _ in seqs), default=0)
+        old, rollout, mask = (torch.zeros(len(seqs), width, dtype=torch.float32) for _ in range(3))
+        for r, (o, ro) in enumerate(seqs):
+            if len(o) != len(ro):
+                raise ValueError(f"tokens_from_report: row {name!r} completion {r} has {len(o)} trainer and "
+                                 f"{len(ro)} rollout logprobs")
+            old[r, : len(o)] = torch.tensor(o, dtype=torch.float32)
+            rollout[r, : len(ro)] = torch.tensor(ro, dtype=torch.float32)
+            mask[r, : len(o)] = 1.0
+        out[name] = (old, rollout, mask)
+    if not out:
+        raise ValueError("tokens_from_report: the report holds no measured tokens (lengths.tokens); rerun the "
+                         "doctor with --json")
+    return out
+
+
+def predict_dropped(cfg: CorrectionConfig, report: Mapping[str, Any], length: int) -> dict[str, float]:
+    """Each saved parity row's share of sequences ``cfg`` drops at ``length`` tokens, as the doctor predicts it.
+
+    The doctor's own ``rej@L`` for a saved run: the measured completions at their length, or pseudo-answers
+    of ``length`` tokens (:func:`resample`, with the run's seed and GRPO group) scored by the full correction.
+    """
+    opts = report.get("options") or {}
+    measured = int((report.get("lengths") or {}).get("measured") or report["sampling"]["max_tokens"])
+    seed, group = int(opts.get("seed", 0)), int(opts.get("samples", 1))
+    return {name: dropped_share(cfg, _at(t, measured, length, seed, group))
+            for name, t in tokens_from_report(report).items()}
+
+
 def _at(tensors: Tensors, measured: int, length: int, seed: int, group: int = 1) -> Tensors:
     return tensors if length == measured else resample(tensors, length, seed=seed, group=group)
 
@@ -221,7 +276,7 @@ def fit_rejection(cfg: CorrectionConfig, rows: Mapping[str, Tensors], measured: 
     if rule.level == "seq_sum":
         if length is None:
             return as_mean(f"{name} sums over the answer, so no one threshold fits every length (at parity it "
-                           f"grows {_per_token(rows, est, measured):.1e} per token here); give --response-length "
+                           f"grows {_per_token(rows, est, measured):.1e} per token here); give --response_length "
                            "to fit a sum to yours")
         tau, shares = _fit(name, rows, measured, [length], preset, seed, group)
         typical = max(float(statistic(name, _at(t, measured, length, seed, group)).median()) for t in rows.values())

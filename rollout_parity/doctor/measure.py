@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any, Mapping
 
 from rollout_parity.doctor.advice import recommend
-from rollout_parity.doctor.lengths import dropped_share, fit_rejection, length_scan, resample
+from rollout_parity.doctor.lengths import dropped_share, fit_rejection, length_scan, resample, tokens_to_json
 from rollout_parity.doctor.output import plot
 from rollout_parity.doctor.rows import (CONFIGS, PARITY_ROWS, ROW_SPECS, DoctorOptions, RowSpec, check_requirements,
                                         correction_config, engine_kwargs, sampler_setting, selected_rows, validate)
@@ -263,7 +263,9 @@ def _lengths(cfg: Any, rows: list[dict[str, Any]], tensors: Mapping[str, tuple],
     lengths = sorted({measured, *([opts.response_length] if opts.response_length else [])})
     scan = length_scan(options, parity, measured, lengths, seed=opts.seed, group=opts.samples) if options else []
     return {"measured": measured, "response_length": opts.response_length, "parity_rows": sorted(parity),
-            "advice": advice, "scan": scan}
+            "advice": advice, "scan": scan,
+            # the parity rows' tokens: a saved run predicts other flags at other lengths (lengths.predict_dropped)
+            "tokens": {name: tokens_to_json(t) for name, t in parity.items()}}
 
 
 def _score(trainer: Any, batch: Any, fp32: bool, sampling: Mapping[str, Any], opts: DoctorOptions) -> Any:
