@@ -146,8 +146,9 @@ def _parse_k1_range(option: str, spec: Any) -> tuple[float, float]:
         raise _flag_error(flag, f"{option} takes hi > 1, 'lo_hi' or a pair [lo, hi], got {spec!r}")
     lo, hi = values
     if not 0 < lo < 1 < hi:
-        raise _flag_error(flag, f"{option} needs 0 < lo < 1 < hi, got {spec!r}: a range without 1 rejects "
-                                "sequences that have no mismatch at all (K1 = 0, ratio 1)")
+        raise _flag_error(flag, f"{option} needs 0 < lo < 1 < hi, got {spec!r}: a range without 1 strictly "
+                                "inside rejects sequences that have no mismatch at all (K1 = 0, ratio 1) or "
+                                "the slightest one")
     return lo, hi
 
 
