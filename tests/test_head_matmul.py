@@ -211,6 +211,11 @@ def test_bf16_head_paths_are_fp32_accurate(monkeypatch):
     ref = _fp64_logprobs(hidden, weight, ids, bias, t)
     tiles = chunked_fp32_logprobs(hidden, weight, ids, bias=bias, chunk_size=16, temperature=t)
     assert tile_rows(3000, 256, 16) < 3000  # several tiles
+    with exact_fp32_matmul():  # the tile's size changes nothing but the memory
+        z_small, z_whole = torch.empty(40, 3000), torch.empty(40, 3000)
+        HeadProjector(weight, bias, t, torch.bfloat16, torch.float32, 40, tile=7).logits_into(z_small, hidden)
+        HeadProjector(weight, bias, t, torch.bfloat16, torch.float32, 40, tile=3000).logits_into(z_whole, hidden)
+    assert ((z_small - z_whole).abs() / z_whole.abs().amax(-1, keepdim=True)).max() < 1e-6
     calls = []
 
     def gemm_stand_in(h, w, out):
@@ -275,3 +280,41 @@ def test_the_chunk_comes_from_the_memory_budget():
                lambda: sampler_logprobs_from_hidden(hidden, weight, ids, chunk_size=64, memory_budget=2**20)):
         with pytest.raises(ValueError, match="chunk_size or memory_budget"):
             fn()
+
+
+def test_the_fp32_head_patch_is_exact_and_never_copies_the_head(monkeypatch, restore_torch_flags):
+    """``apply_fp32_lm_head``'s forward and backward: the caller's TF32 off inside and restored after, the numbers
+    and gradients of ``F.linear`` on fp32 copies, and a bf16 head upcast one tile at a time (its whole fp32 copy
+    would be 8 MiB)."""
+    from rollout_parity.core.fp32_head import apply_fp32_lm_head
+
+    _set_tf32_high()
+    before = _flags()
+    v, h = 4096, 512
+    head = nn_linear = torch.nn.Linear(h, v).to(torch.bfloat16)
+    apply_fp32_lm_head(nn_linear)
+    x = torch.randn(2, 8, h).bfloat16().requires_grad_()
+    seen = []
+    real = HeadProjector.logits_into
+
+    def spy(self, out, hh):
+        seen.append(_flags())
+        return real(self, out, hh)
+
+    monkeypatch.setattr(HeadProjector, "logits_into", spy)
+    out = head(x)
+    (out * torch.linspace(-1, 1, v)).sum().backward()
+    assert out.dtype == torch.float32 and len(seen) == 1 and {k: seen[0][k] for k in EXACT} == EXACT
+    assert _flags() == before
+    x2 = x.detach().clone().requires_grad_()
+    w2, b2 = head.weight.detach().clone().requires_grad_(), head.bias.detach().clone().requires_grad_()
+    ref = torch.nn.functional.linear(x2.float(), w2.float(), b2.float())
+    (ref * torch.linspace(-1, 1, v)).sum().backward()
+    assert torch.equal(out, ref)
+    for got, want in ((x.grad, x2.grad), (head.weight.grad, w2.grad), (head.bias.grad, b2.grad)):
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)  # bf16 gradients
+    x3 = torch.randn(1, h).bfloat16()
+    with torch.no_grad():
+        peak = peak_alloc_bytes(lambda: head(x3))
+    assert peak <= v * 4 + (v // 8) * h * 4 + h * 4 + v * 4 < v * h * 4 // 4, peak  # logits, an eighth of W, x, b

@@ -216,12 +216,12 @@ class HeadProjector:
     """``z = (h W^T + b) / T`` for chunks of rows of ``h`` (and ``dz W`` for a backward), on the path of
     :func:`head_matmul_path`, with at most one upcast vocabulary tile of W alive.
 
-    ``cdtype`` is the compute dtype (float32, or float64 when an input is). Run it inside
-    :func:`exact_fp32_matmul`.
+    ``cdtype`` is the compute dtype (float32, or float64 when an input is); ``chunk`` the rows per call, which size
+    the tile (:func:`tile_rows`) unless ``tile`` gives its rows. Run it inside :func:`exact_fp32_matmul`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], temperature: float,
-                 hidden_dtype: torch.dtype, cdtype: torch.dtype, chunk: int):
+                 hidden_dtype: torch.dtype, cdtype: torch.dtype, chunk: int, tile: Optional[int] = None):
         self.weight, self.cdtype = weight, cdtype
         self.path = head_matmul_path(hidden_dtype, weight.dtype, weight.device)
         if self.path == "gemm_fp32_out" and cdtype != torch.float32:
@@ -229,7 +229,7 @@ class HeadProjector:
         self.bias = None if bias is None else bias.to(cdtype)
         self.temperature = float(temperature)
         vocab, hidden_size = weight.shape
-        self.tile = tile_rows(vocab, hidden_size, chunk)
+        self.tile = tile_rows(vocab, hidden_size, chunk) if tile is None else max(1, min(int(tile), vocab))
         self._wbuf: Optional[torch.Tensor] = None
 
     def _tiles(self) -> Iterator[tuple[int, int, torch.Tensor]]:
