@@ -38,7 +38,6 @@ __all__ = ["CANDIDATES", "kept_log_mass", "replayed_log_mass", "settle_kept_sets
 #: Candidates per row of the first top-k stage (a top-k of ``k`` needs ``k + 1``).
 CANDIDATES = 32
 _WIDE = 1024  # candidates of the second top-k stage
-_BLOCK = 256  # rows of one open block (at most; and at most a quarter of the chunk)
 
 
 def _limit(top_p: float) -> float:
@@ -133,8 +132,8 @@ def settle_kept_sets(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p
 
     First the rows whose most likely token alone holds ``top_p`` (then it is the whole kept set, whatever
     min-p and top-k did first: a single row maximum), then :func:`kept_log_mass` with 32 and with 1024
-    candidates, each on the rows still open: all rows in place, or blocks of at most 256 rows (and a quarter
-    of ``lp``'s rows) copied one at a time. ``settled`` False: take the sorting path. ``rule``: as in :func:`kept_log_mass`; under
+    candidates, each on the rows still open: all rows in place, or blocks of a quarter of ``lp``'s rows copied one
+    at a time. ``settled`` False: take the sorting path. ``rule``: as in :func:`kept_log_mass`; under
     ``"triton"`` with ``top_p <= 0.5`` the first stage is skipped (two maxima tied at >= top_p can exist
     there, and the kernel keeps only the lower id: the candidates see the tie and leave the row open).
     """
@@ -161,7 +160,7 @@ def settle_kept_sets(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p
                 break
         still = []
         whole = open_rows.numel() == rows  # every row still open: read them in place, no copy
-        for block in open_rows.split(rows if whole else max(1, min(_BLOCK, -(-rows // 4)))):
+        for block in open_rows.split(rows if whole else -(-rows // 4)):
             a, b, ok = kept_log_mass(lp if whole else lp[block], k, top_p, min_p, candidates, rule=rule)
             idx = block[ok]
             log_s[idx], smallest[idx], done[idx] = a[ok], b[ok], True
