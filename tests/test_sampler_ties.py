@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rollout_parity.core.kept_set import kept_log_mass, settle_kept_sets
-from rollout_parity.core.sampler import processed_logits, sampler_logprobs, sampler_logprobs_from_hidden
+from rollout_parity.core.sampler import processed_logits, sampler_logprobs, sampler_logprobs_from_hidden, topk_topp_rule
 from rollout_parity.testing.stack import missing, need
 
 from .vllm_triton_oracle import kernel_keep_masks, kernel_source_path
@@ -178,6 +178,32 @@ def test_the_fast_stages_renormalise_top_p_over_exactly_k_under_the_triton_rule(
         assert bool(settled[0]) and float(smallest[0]) == float(lp[0, 1])
         torch.testing.assert_close(log_s, expect, rtol=0, atol=1e-7)
         assert not bool(stage("pytorch")[2][0])
+
+
+def test_two_tied_maxima_under_a_small_top_p():
+    """Two tokens tied at the top, each above top_p = 0.3: the kernel keeps the lower id alone; the PyTorch path keeps
+    the one its sort puts last. The fast stage that settles a row by its top token alone cannot tell them apart,
+    so under the Triton rule such a row goes to the sort (only possible for top_p <= 0.5)."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(50, 8, generator=g)
+    weight[9] = weight[5]
+    hidden = (weight[5] * 6 / weight[5].norm() ** 2 * 2).expand(3, 8).contiguous()  # logits 12 at ids 5 and 9
+    ids = torch.tensor([5, 9, 9])
+    out = sampler_logprobs_from_hidden(hidden, weight, ids, 1.0, None, 0.3, keep_sampled=False,
+                                       engine_topk_topp="triton")
+    ref = sampler_logprobs(hidden @ weight.t(), ids, 1.0, None, 0.3, keep_sampled=False, return_outside=True,
+                           engine_topk_topp="triton")
+    assert out.outside_mask.tolist() == ref.outside_mask.tolist() == [False, True, True]
+    torch.testing.assert_close(out.processed, ref.logprobs, rtol=0, atol=1e-6)
+    assert out.processed[0] == 0.0  # the kept set is id 5 alone
+
+
+def test_auto_takes_the_rule_of_the_device_the_pass_runs_on():
+    """vLLM's engine runs the Triton kernels on a GPU and the PyTorch path on CPU; a trainer pass on CUDA reads a
+    GPU engine's rollout in every framework adapted here."""
+    assert topk_topp_rule("auto", "cuda") == topk_topp_rule("auto", torch.device("cuda", 1)) == "triton"
+    assert topk_topp_rule("auto", "cpu") == "pytorch"
+    assert topk_topp_rule("pytorch", "cuda") == "pytorch" and topk_topp_rule("triton", "cpu") == "triton"
 
 
 def test_engine_topk_topp_is_validated_by_name():
