@@ -1,15 +1,16 @@
 """Chunked fp32-head logprobs: peak extra memory and time over the unavoidable matmuls.
 
-    bash scripts/run.sh python benchmarks/fp32_logprobs.py [--n 8192 --hidden 1024 --vocab 32768]
+    python benchmarks/fp32_logprobs.py [--device cpu|cuda] [--n 8192 --hidden 1024 --vocab 32768]
 
 Inputs are fp32 hidden (N, H), weight (V, H), token ids (N,).  Printed:
 
 (a) peak extra memory of ``chunked_fp32_logprobs`` in units of one chunk of logits
-    (chunk_size x V x 4 bytes).  Measured as the peak of bytes live in torch's CPU allocator
-    during the call, from the allocator's own alloc/free events (``torch.profiler`` with
-    ``profile_memory=True``: every tensor torch allocates, including temporaries inside
-    kernels; not BLAS-internal scratch).  Outputs every path must produce are subtracted:
-    the (N,) logprobs forward; plus the gradients (N x H and V x H) forward+backward.
+    (chunk_size x V x 4 bytes).  On CPU measured as the peak of bytes live in torch's CPU
+    allocator during the call, from the allocator's own alloc/free events (``torch.profiler``
+    with ``profile_memory=True``: every tensor torch allocates, including temporaries inside
+    kernels; not BLAS-internal scratch); on a GPU from torch's CUDA allocator statistics.
+    Outputs every path must produce are subtracted: the (N,) logprobs forward; plus the
+    gradients (N x H and V x H) forward+backward.
 (b) time over the floor: forward floor = one N x H x V product, forward+backward floor =
     three (logits, grad wrt hidden, grad wrt weight).  The floor is timed as the bare
     matmuls, both chunked into a reused buffer and as single full products; the faster one
@@ -20,7 +21,8 @@ Times are the minimum over ``--repeats`` interleaved runs.  The ratios of the RE
 process CPU time by default (``--clock cpu``): on a machine shared with other jobs wall time
 mostly measures the neighbours, while CPU time counts the work done by this process's
 threads (it includes OpenMP spin-waits between small ops, which penalises the chunked path,
-not the floor).  Wall-time ratios are printed alongside.
+not the floor).  Wall-time ratios are printed alongside.  On a GPU both clocks are wall time
+between synchronisations.  Every matmul, the floor's included, runs in exact fp32 (no TF32).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import time
 import torch
 
 from rollout_parity.core.fp32_logprobs import chunked_fp32_logprobs
-from rollout_parity.testing.memory import peak_alloc_bytes
+from rollout_parity.core.head_matmul import exact_fp32_matmul
+from rollout_parity.testing.memory import peak_extra_bytes
 
 MiB = 1024 * 1024
 
@@ -51,6 +54,7 @@ def mem_available_bytes() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32768)
@@ -65,17 +69,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     n, H, V, c = args.n, args.hidden, args.vocab, args.chunk
-    # The naive forward+backward holds about four N x V fp32 tensors; leave half the RAM.
+    device = torch.device(args.device)
+    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else mem_available_bytes()
+    # The naive forward+backward holds about four N x V fp32 tensors; leave half the memory.
     note = ""
-    while 4 * n * V * 4 + 4 * (n * H + V * H) * 4 > mem_available_bytes() // 2 and n > c:
+    while 4 * n * V * 4 + 4 * (n * H + V * H) * 4 > available // 2 and n > c:
         n //= 2
         note = f" (N reduced from {args.n} to {n}: the naive path would not fit in memory)"
-    print(f"fp32 logprobs benchmark: N={n} H={H} V={V} chunk={c} threads={torch.get_num_threads()}"
-          f"{note}")
+    print(f"fp32 logprobs benchmark: device={device} N={n} H={H} V={V} chunk={c} "
+          f"threads={torch.get_num_threads()}{note}")
     g = torch.Generator().manual_seed(args.seed)
-    hidden = (torch.randn(n, H, generator=g) / H**0.5).requires_grad_()
-    weight = (torch.randn(V, H, generator=g) * 2).requires_grad_()
-    ids = torch.randint(0, V, (n,), generator=g)
+    hidden = (torch.randn(n, H, generator=g) / H**0.5).to(device).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 2).to(device).requires_grad_()
+    ids = torch.randint(0, V, (n,), generator=g).to(device)
     chunk_bytes = c * V * 4
     grads_bytes = (n * H + V * H) * 4
 
@@ -103,28 +109,32 @@ def main(argv=None) -> int:
         torch.log_softmax(z, -1).gather(-1, ids[:, None]).sum().backward()
 
     hd, wd = hidden.detach(), weight.detach()
-    buf = torch.empty(c, V)
-    gh = torch.empty(n, H)
-    gw = torch.empty(V, H)
+    buf = torch.empty(c, V, device=device)
+    gh = torch.empty(n, H, device=device)
+    gw = torch.empty(V, H, device=device)
 
     def floor_fwd_chunked():
-        for s in range(0, n, c):
-            torch.mm(hd[s : s + c], wd.t(), out=buf[: min(c, n - s)])
+        with exact_fp32_matmul():
+            for s in range(0, n, c):
+                torch.mm(hd[s : s + c], wd.t(), out=buf[: min(c, n - s)])
 
     def floor_fwd_full():
-        torch.mm(hd, wd.t())
+        with exact_fp32_matmul():
+            torch.mm(hd, wd.t())
 
     def floor_fwdbwd_chunked():
-        gw.zero_()
-        for s in range(0, n, c):
-            z = torch.mm(hd[s : s + c], wd.t(), out=buf[: min(c, n - s)])
-            torch.mm(z, wd, out=gh[s : s + c])
-            gw.addmm_(z.t(), hd[s : s + c])
+        with exact_fp32_matmul():
+            gw.zero_()
+            for s in range(0, n, c):
+                z = torch.mm(hd[s : s + c], wd.t(), out=buf[: min(c, n - s)])
+                torch.mm(z, wd, out=gh[s : s + c])
+                gw.addmm_(z.t(), hd[s : s + c])
 
     def floor_fwdbwd_full():
-        z = torch.mm(hd, wd.t())
-        torch.mm(z, wd, out=gh)
-        torch.mm(z.t(), hd, out=gw)
+        with exact_fp32_matmul():
+            z = torch.mm(hd, wd.t())
+            torch.mm(z, wd, out=gh)
+            torch.mm(z.t(), hd, out=gw)
 
     # Correctness of what is timed: the chunked result equals the naive one.
     lp_c, lp_n = chunked_fwd(), naive_fwd()
@@ -134,7 +144,7 @@ def main(argv=None) -> int:
     # freeing the previous ones cannot hide part of the peak.
     def peak_chunks(fn, outputs_bytes):
         clear()
-        return (peak_alloc_bytes(fn) - outputs_bytes) / chunk_bytes
+        return (peak_extra_bytes(fn, device) - outputs_bytes) / chunk_bytes
 
     mem = {
         "chunked fwd": peak_chunks(chunked_fwd, n * 4),
@@ -158,13 +168,18 @@ def main(argv=None) -> int:
     }
     wall = {k: float("inf") for k in timed}
     cpu = {k: float("inf") for k in timed}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for r in range(args.repeats):
         for name, fn in timed.items():
             clear()
+            sync()
             w0, c0 = time.perf_counter(), time.process_time()
             fn()
+            sync()
             cpu[name] = min(cpu[name], time.process_time() - c0)
             wall[name] = min(wall[name], time.perf_counter() - w0)
+    if device.type == "cuda":
+        cpu = wall  # a GPU's work is not this process's CPU time
         print(f"  repeat {r + 1}/{args.repeats} done", file=sys.stderr)
     clear()
     best = cpu if args.clock == "cpu" else wall
@@ -205,7 +220,7 @@ def main(argv=None) -> int:
         f"RESULT mem_chunks={mem_chunks:.3f} fwd_vs_floor={fwd_ratio:.3f} "
         f"fwdbwd_vs_floor={fb_ratio:.3f} clock={args.clock} naive_fwd_vs_floor={best['naive fwd'] / floor_f:.3f} "
         f"naive_fwdbwd_vs_floor={best['naive fwd+bwd'] / floor_fb:.3f} "
-        f"naive_mem_chunks={mem['naive fwd+bwd']:.3f} n={n} hidden={H} vocab={V} chunk={c}"
+        f"naive_mem_chunks={mem['naive fwd+bwd']:.3f} device={device.type} n={n} hidden={H} vocab={V} chunk={c}"
     )
     return 0
 

@@ -8,8 +8,12 @@ lm_head"; MiniMax-M1 and ScaleRL do the same).
 What ``apply_fp32_lm_head(model)`` does to the module ``model.get_output_embeddings()``
 (usually ``lm_head``, an ``nn.Linear``):
 
-* its forward becomes ``F.linear(x.float(), W.float(), b.float())`` with autocast disabled
-  (float64 stays float64), so logits are **returned in fp32** whatever the model dtype;
+* its forward computes ``x W^T + b`` in fp32 with autocast disabled (float64 stays float64), so
+  logits are **returned in fp32** whatever the model dtype: in exact fp32 whatever the caller's
+  TF32 settings, forward and backward, and without a whole fp32 copy of a bf16 W (a bf16 GEMM
+  with fp32 output on a GPU, one upcast eighth of the vocabulary at a time elsewhere:
+  :mod:`rollout_parity.core.head_matmul`), the same numbers as ``F.linear(x.float(), W.float(),
+  b.float())``;
 * the parameters are not touched: they keep their dtype, their identity and their sharding.
   A tied embedding therefore keeps working (one shared Parameter, gradients from both uses)
   and the input embedding's output keeps the model dtype: only the head's output is fp32;
@@ -32,8 +36,10 @@ import sys
 import types
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .head_matmul import HeadProjector, exact_fp32_matmul
 
 __all__ = ["apply_fp32_lm_head", "revert_fp32_lm_head", "is_fp32_lm_head"]
 
@@ -48,11 +54,49 @@ _PEFT_CLASS_NAMES = {
 }
 
 
+class _Fp32Linear(torch.autograd.Function):
+    """``x W^T + b`` in the compute dtype (fp32, or float64), exact, W never copied whole: the saved tensors are the
+    inputs themselves (a bf16 W stays bf16), and the backward upcasts W again one tile at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        cdtype = torch.promote_types(weight.dtype, torch.float32)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.empty(x2.shape[0], weight.shape[0], dtype=cdtype, device=x.device)
+        with exact_fp32_matmul(), torch.autocast(device_type=x.device.type, enabled=False):
+            head = HeadProjector(weight, bias, 1.0, x.dtype, cdtype, x2.shape[0], tile=_tile(weight))
+            head.logits_into(out, x2)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.cdtype = cdtype
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, bias = ctx.saved_tensors
+        cdtype = ctx.cdtype
+        g = grad_out.reshape(-1, weight.shape[0]).to(cdtype)
+        grad_x = grad_w = grad_b = None
+        with exact_fp32_matmul(), torch.autocast(device_type=x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                head = HeadProjector(weight, None, 1.0, cdtype, cdtype, g.shape[0], tile=_tile(weight))
+                grad_x = head.grad_hidden_into(torch.empty(g.shape[0], weight.shape[1], dtype=cdtype,
+                                                           device=g.device), g)
+                grad_x = grad_x.reshape(x.shape).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = torch.mm(g.t(), x.reshape(-1, x.shape[-1]).to(cdtype)).to(weight.dtype)
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_b = g.sum(0).to(bias.dtype)
+        return grad_x, grad_w, grad_b
+
+
+def _tile(weight: torch.Tensor) -> int:
+    """Rows of W upcast at once: an eighth of the head (at least 256 rows)."""
+    return max(256, -(-weight.shape[0] // 8))
+
+
 def _fp32_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    dtype = torch.promote_types(self.weight.dtype, torch.float32)
-    with torch.autocast(device_type=input.device.type, enabled=False):
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(input.to(dtype), self.weight.to(dtype), bias)
+    return _Fp32Linear.apply(input, self.weight, self.bias)
 
 
 def _peft_reason(module: nn.Module) -> str | None:

@@ -18,12 +18,19 @@ dL/dW = sum_i (dL/dz_i / T) h_i^T, accumulated chunk by chunk.  For logprobs alo
 per-row g_i is moved onto the (chunk, H) operands, so the (chunk, V) buffer only holds
 p - onehot.
 
+The logits of a chunk come from :class:`~rollout_parity.core.head_matmul.HeadProjector`: exact
+fp32 whatever the caller's TF32 / matmul-precision settings (restored after the pass), T dividing
+the logits after the matmul as vLLM's sampler does, a bf16 x bf16 GEMM with fp32 output on a GPU,
+and the head upcast one vocabulary tile at a time elsewhere (never a whole fp32 copy of W).
+
 Memory beyond inputs and gradients: one (chunk, V) buffer reused for every chunk, a scratch
-of 1/8 chunk for the entropy, and per-token vectors.  The (log-)softmax of a chunk runs in
-place with torch's fused row kernel (one pass over memory instead of max/sub/exp/sum); that
-in-place use is probed once per dtype and replaced by a sub-blocked copy if a torch build
-ever stops supporting it.  Inputs of lower precision are upcast per chunk (the weight once,
-a (V, H) fp32 copy when it is not fp32 already); float64 stays float64 (gradcheck).
+of 1/8 chunk for the entropy, one upcast vocabulary tile of W (at most 1/4 chunk) and
+per-token vectors.  The weight's gradient is accumulated in the compute dtype (it is an
+output).  Without ``chunk_size`` the chunk is the largest whose working set fits
+``memory_budget`` (:func:`~rollout_parity.core.head_matmul.chunk_rows`).  The (log-)softmax of
+a chunk runs in place with torch's fused row kernel (one pass over memory instead of
+max/sub/exp/sum); that in-place use is probed once per dtype and replaced by a sub-blocked copy
+if a torch build ever stops supporting it.  float64 stays float64 (gradcheck).
 
 Under DeepSpeed ZeRO-3 pass the gathered weight (``deepspeed.zero.GatheredParameters``).
 """
@@ -32,9 +39,12 @@ from __future__ import annotations
 
 import torch
 
+from .head_matmul import HeadProjector, chunk_rows, exact_fp32_matmul
+
 __all__ = ["chunked_fp32_logprobs", "DEFAULT_CHUNK_SIZE"]
 
-DEFAULT_CHUNK_SIZE = 1024
+#: ``chunk_size`` default: None, the chunk is chosen from the device and ``memory_budget``.
+DEFAULT_CHUNK_SIZE = None
 
 _inplace_ok: dict[tuple[str, torch.dtype, str], bool] = {}
 
@@ -75,44 +85,32 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return dtype
 
 
-def _logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    if b is None:
-        torch.mm(h, w.t(), out=out)
-    else:
-        torch.addmm(b, h, w.t(), out=out)
-    return out
-
-
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, token_ids, chunk_size, inv_temp, want_entropy):
+    def forward(ctx, hidden, weight, bias, token_ids, rows, temperature, want_entropy):
         cdtype = _compute_dtype(hidden, weight, bias)
-        w = weight.to(cdtype)
-        b = None if bias is None else bias.to(cdtype) * inv_temp
-        n, vocab = hidden.shape[0], w.shape[0]
+        n, vocab = hidden.shape[0], weight.shape[0]
         dev = hidden.device
-        logp = torch.empty(n, dtype=cdtype, device=dev)
-        ent = torch.empty(n, dtype=cdtype, device=dev) if want_entropy else None
-        rows = min(chunk_size, max(n, 1))
-        buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
-        sub = max(1, -(-rows // 8))
-        scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if want_entropy else None
-
-        for s in range(0, n, rows):
-            e = min(s + rows, n)
-            h = hidden[s:e].to(cdtype)
-            if inv_temp != 1.0:
-                h = h * inv_temp
-            z = _softmax_rows_(_logits_into(buf[: e - s], h, w, b), log=True)  # log p
-            logp[s:e] = z.gather(1, token_ids[s:e, None]).squeeze(1)
-            if want_entropy:
-                for r0 in range(0, e - s, sub):
-                    r1 = min(r0 + sub, e - s)
-                    p = torch.exp(z[r0:r1], out=scratch[: r1 - r0])
-                    ent[s + r0 : s + r1] = p.mul_(z[r0:r1]).sum(dim=1).neg_()
+        with exact_fp32_matmul(), torch.autocast(device_type=dev.type, enabled=False):
+            head = HeadProjector(weight, bias, temperature, hidden.dtype, cdtype, rows)
+            logp = torch.empty(n, dtype=cdtype, device=dev)
+            ent = torch.empty(n, dtype=cdtype, device=dev) if want_entropy else None
+            buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
+            sub = max(1, -(-rows // 8))
+            scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if want_entropy else None
+            for s in range(0, n, rows):
+                e = min(s + rows, n)
+                z = _softmax_rows_(head.logits_into(buf[: e - s], hidden[s:e]), log=True)  # log p
+                logp[s:e] = z.gather(1, token_ids[s:e, None]).squeeze(1)
+                if want_entropy:
+                    for r0 in range(0, e - s, sub):
+                        r1 = min(r0 + sub, e - s)
+                        p = torch.exp(z[r0:r1], out=scratch[: r1 - r0])
+                        ent[s + r0 : s + r1] = p.mul_(z[r0:r1]).sum(dim=1).neg_()
+            head.release()
 
         ctx.save_for_backward(hidden, weight, bias, token_ids, ent)
-        ctx.chunk_size, ctx.inv_temp, ctx.cdtype = chunk_size, inv_temp, cdtype
+        ctx.rows, ctx.temperature, ctx.cdtype = rows, temperature, cdtype
         if want_entropy:
             return logp, ent
         return logp, None
@@ -120,78 +118,82 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, token_ids, ent = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        cdtype, inv_temp = ctx.cdtype, ctx.inv_temp
-        w = weight.to(cdtype)
-        b = None if bias is None else bias.to(cdtype) * inv_temp
-        n, vocab = hidden.shape[0], w.shape[0]
-        dev = hidden.device
-        g_logp = (
-            torch.zeros(n, dtype=cdtype, device=dev) if g_logp is None else g_logp.to(cdtype)
-        ) * inv_temp  # d/dh, d/dW pick up 1/T once: fold it into the row weights
-        use_ent = g_ent is not None and ent is not None
-        g_ent = g_ent.to(cdtype) * inv_temp if use_ent else None
+        with exact_fp32_matmul(), torch.autocast(device_type=hidden.device.type, enabled=False):
+            return _backward(ctx, hidden, weight, bias, token_ids, ent, g_logp, g_ent)
 
-        grad_h = torch.empty(hidden.shape, dtype=cdtype, device=dev) if need_h else None
-        grad_w = None  # written by the first chunk's product, accumulated by the others
-        grad_b = torch.zeros(vocab, dtype=cdtype, device=dev) if need_b else None
-        rows = min(ctx.chunk_size, max(n, 1))
-        buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
-        sub = max(1, -(-rows // 8))
-        scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if use_ent else None
 
-        for s in range(0, n, rows):
-            e = min(s + rows, n)
-            h = hidden[s:e].to(cdtype)
-            hs = h * inv_temp if inv_temp != 1.0 else h
-            z = _logits_into(buf[: e - s], hs, w, b)
-            rows_idx = torch.arange(e - s, device=dev)
-            if use_ent:
-                _softmax_rows_(z, log=True)
-                for r0 in range(0, e - s, sub):
-                    r1 = min(r0 + sub, e - s)
-                    zr = z[r0:r1]  # log p
-                    p = torch.exp(zr, out=scratch[: r1 - r0])
-                    gl = g_logp[s + r0 : s + r1, None]
-                    ge = g_ent[s + r0 : s + r1, None]
-                    # dL/dz = g (1[v=y] - p) - e p (log p + H)
-                    zr.add_(ent[s + r0 : s + r1, None]).mul_(ge).add_(gl).mul_(p).neg_()
-                z.index_put_((rows_idx, token_ids[s:e]), g_logp[s:e], accumulate=True)
-                row_scale, hg = None, h
+def _backward(ctx, hidden, weight, bias, token_ids, ent, g_logp, g_ent):
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    cdtype, rows = ctx.cdtype, ctx.rows
+    inv_temp = 1.0 / ctx.temperature
+    head = HeadProjector(weight, bias, ctx.temperature, hidden.dtype, cdtype, rows)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    g_logp = (
+        torch.zeros(n, dtype=cdtype, device=dev) if g_logp is None else g_logp.to(cdtype)
+    ) * inv_temp  # d/dh, d/dW pick up 1/T once: fold it into the row weights
+    use_ent = g_ent is not None and ent is not None
+    g_ent = g_ent.to(cdtype) * inv_temp if use_ent else None
+
+    grad_h = torch.empty(hidden.shape, dtype=cdtype, device=dev) if need_h else None
+    grad_w = None  # written by the first chunk's product, accumulated by the others
+    grad_b = torch.zeros(vocab, dtype=cdtype, device=dev) if need_b else None
+    buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
+    sub = max(1, -(-rows // 8))
+    scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if use_ent else None
+
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        z = head.logits_into(buf[: e - s], hidden[s:e])
+        h = hidden[s:e].to(cdtype)
+        rows_idx = torch.arange(e - s, device=dev)
+        if use_ent:
+            _softmax_rows_(z, log=True)
+            for r0 in range(0, e - s, sub):
+                r1 = min(r0 + sub, e - s)
+                zr = z[r0:r1]  # log p
+                p = torch.exp(zr, out=scratch[: r1 - r0])
+                gl = g_logp[s + r0 : s + r1, None]
+                ge = g_ent[s + r0 : s + r1, None]
+                # dL/dz = g (1[v=y] - p) - e p (log p + H)
+                zr.add_(ent[s + r0 : s + r1, None]).mul_(ge).add_(gl).mul_(p).neg_()
+            z.index_put_((rows_idx, token_ids[s:e]), g_logp[s:e], accumulate=True)
+            row_scale, hg = None, h
+        else:
+            # dL/dz_i = -g_i (p_i - 1[v=y_i]): keep P - onehot and move the per-row g_i
+            # onto the (chunk, H) operands, saving a pass over the (chunk, V) buffer.
+            _softmax_rows_(z, log=False)
+            minus_one = z.new_full((e - s,), -1.0)
+            z.index_put_((rows_idx, token_ids[s:e]), minus_one, accumulate=True)
+            row_scale = g_logp[s:e, None].neg()
+            hg = h * row_scale
+        if need_h:
+            head.grad_hidden_into(grad_h[s:e], z)
+            if row_scale is not None:
+                grad_h[s:e].mul_(row_scale)
+        if need_w:
+            if grad_w is None:
+                grad_w = torch.mm(z.t(), hg)
             else:
-                # dL/dz_i = -g_i (p_i - 1[v=y_i]): keep P - onehot and move the per-row g_i
-                # onto the (chunk, H) operands, saving a pass over the (chunk, V) buffer.
-                _softmax_rows_(z, log=False)
-                minus_one = z.new_full((e - s,), -1.0)
-                z.index_put_((rows_idx, token_ids[s:e]), minus_one, accumulate=True)
-                row_scale = g_logp[s:e, None].neg()
-                hg = h * row_scale
-            if need_h:
-                torch.mm(z, w, out=grad_h[s:e])
-                if row_scale is not None:
-                    grad_h[s:e].mul_(row_scale)
-            if need_w:
-                if grad_w is None:
-                    grad_w = torch.mm(z.t(), hg)
-                else:
-                    grad_w.addmm_(z.t(), hg)
-            if need_b:
-                if row_scale is None:
-                    grad_b.add_(z.sum(0))
-                else:
-                    grad_b.addmv_(z.t(), row_scale.squeeze(1))
+                grad_w.addmm_(z.t(), hg)
+        if need_b:
+            if row_scale is None:
+                grad_b.add_(z.sum(0))
+            else:
+                grad_b.addmv_(z.t(), row_scale.squeeze(1))
+    head.release()
 
-        if need_w and grad_w is None:  # no rows at all
-            grad_w = torch.zeros(vocab, w.shape[1], dtype=cdtype, device=dev)
-        return (
-            None if grad_h is None else grad_h.to(hidden.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-        )
+    if need_w and grad_w is None:  # no rows at all
+        grad_w = torch.zeros(vocab, weight.shape[1], dtype=cdtype, device=dev)
+    return (
+        None if grad_h is None else grad_h.to(hidden.dtype),
+        None if grad_w is None else grad_w.to(weight.dtype),
+        None if grad_b is None else grad_b.to(bias.dtype),
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 def chunked_fp32_logprobs(
@@ -199,20 +201,27 @@ def chunked_fp32_logprobs(
     weight: torch.Tensor,
     token_ids: torch.Tensor,
     bias: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    *,
+    memory_budget: int | None = None,
 ):
     """Per-token logprobs of ``token_ids`` (and entropies) under the fp32 head ``(weight, bias)``.
 
     Args:
-        hidden: (..., H) final hidden states (any float dtype; upcast to fp32 chunk by chunk).
-        weight: (V, H) head weight (``lm_head.weight``, or the tied embedding matrix).
+        hidden: (..., H) final hidden states (any float dtype; upcast to fp32 chunk by chunk, or
+            multiplied with a bf16 head by a bf16 GEMM with fp32 output on a GPU).
+        weight: (V, H) head weight (``lm_head.weight``, or the tied embedding matrix; never
+            copied whole to fp32).
         token_ids: (...) integer ids in [0, V), the token each position predicts.
         bias: optional (V,) head bias.
-        chunk_size: rows of logits materialised at once (one (chunk_size, V) buffer).
-        temperature: logits are divided by it (as the sampler does), > 0.
+        chunk_size: rows of logits materialised at once (one (chunk_size, V) buffer); None
+            (default): the most rows whose working set fits ``memory_budget``.
+        temperature: the logits are divided by it after the matmul (as the sampler does), > 0.
         return_entropy: also return the entropy of each row's distribution.
+        memory_budget: bytes for the working set when ``chunk_size`` is None (default:
+            :func:`~rollout_parity.core.head_matmul.default_memory_budget` of the device).
 
     Returns:
         ``logprobs`` of shape (...) in fp32 (float64 if an input is float64), or
@@ -233,8 +242,10 @@ def chunked_fp32_logprobs(
         raise ValueError(f"bias shape {tuple(bias.shape)} must be ({weight.shape[0]},)")
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if chunk_size is not None and memory_budget is not None:
+        raise ValueError("pass chunk_size or memory_budget, not both: memory_budget chooses the chunk size")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     vocab = weight.shape[0]
@@ -245,9 +256,11 @@ def chunked_fp32_logprobs(
             f"got range [{int(ids.min())}, {int(ids.max())}]"
         )
     flat = hidden.reshape(-1, hidden.shape[-1])
-    logp, ent = _ChunkedLogprobs.apply(
-        flat, weight, bias, ids, chunk_size, 1.0 / float(temperature), bool(return_entropy)
-    )
+    itemsize = _compute_dtype(hidden, weight, bias).itemsize
+    rows = chunk_size if chunk_size is not None else chunk_rows(flat.shape[0], vocab, hidden.device, memory_budget,
+                                                                itemsize)
+    rows = min(rows, max(flat.shape[0], 1))
+    logp, ent = _ChunkedLogprobs.apply(flat, weight, bias, ids, rows, float(temperature), bool(return_entropy))
     logp = logp.reshape(token_ids.shape)
     if return_entropy:
         return logp, ent.reshape(token_ids.shape)

@@ -7,7 +7,10 @@ the filters cut inside them, which is the common case for a trained LM (its nucl
 of tokens). On the ``m`` candidates, in float64, in vLLM's order:
 
 * min-p keeps ``p >= max(p) * min_p``;
-* top-k keeps values ``>=`` the k-th largest (ties all kept, as vLLM's PyTorch path);
+* top-k keeps values ``>=`` the k-th largest (ties all kept, vLLM's PyTorch path, ``rule="pytorch"``), or
+  exactly the k largest (``rule="triton"``: vLLM's Triton kernel keeps k of a tied group, by lowest id; the
+  mass is the same whichever k it keeps, and a row whose edge cuts a tied group takes the sorting path,
+  which picks the ids);
 * top-p renormalises over the survivors and keeps a token when the mass ranked strictly above it
   is below ``top_p``: vLLM keeps position ``i`` of the ascending order when its cumulative sum
   exceeds ``1 - top_p``, and that ascending sum is one minus the mass ranked above ``i``.
@@ -35,7 +38,6 @@ __all__ = ["CANDIDATES", "kept_log_mass", "replayed_log_mass", "settle_kept_sets
 #: Candidates per row of the first top-k stage (a top-k of ``k`` needs ``k + 1``).
 CANDIDATES = 32
 _WIDE = 1024  # candidates of the second top-k stage
-_BLOCK = 256  # rows of one open block
 
 
 def _limit(top_p: float) -> float:
@@ -43,19 +45,21 @@ def _limit(top_p: float) -> float:
     return 1.0 - float(torch.tensor(1.0, dtype=torch.float32) - torch.tensor(top_p, dtype=torch.float32))
 
 
-def _on_candidates(vals: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float, whole: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _on_candidates(vals: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float, whole: bool,
+                   rule: str = "pytorch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """vLLM's filters on each row's candidates ``vals`` (rows, m), sorted descending, -inf padded.
 
     Every non-candidate ranks below every candidate. ``whole``: the candidates are the whole row.
-    Returns ``(log_s, smallest, settled)``.
+    ``rule``: the top-k tie rule (module docstring). Returns ``(log_s, smallest, settled)``.
     """
     rows, m = vals.shape
     p = vals.double().exp()
     keep = ~torch.isneginf(vals)
     if min_p > 0.0:
         keep &= p >= p[:, :1] * min_p
-    if top_k:
+    if top_k and rule == "triton":
+        keep &= torch.arange(m, device=vals.device) < top_k
+    elif top_k:
         keep &= vals >= vals[:, top_k - 1:top_k]
     settled = torch.ones(rows, dtype=torch.bool, device=vals.device)
     if not whole and (min_p > 0.0 or top_k):
@@ -76,15 +80,17 @@ def _on_candidates(vals: torch.Tensor, top_k: Optional[int], top_p: float, min_p
 
 
 def kept_log_mass(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float,
-                  candidates: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  candidates: int = CANDIDATES, *, rule: str = "pytorch"
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of full log-probabilities ``lp`` (rows, V; temperature applied), from its ``candidates``
     largest: ``(log_s, smallest, settled)``: float64 ``log S`` of the kept set, the smallest kept
     log-probability (a token is kept iff its log-probability is ``>=`` it), and the rows the
-    candidates settle; the other rows' values are meaningless."""
+    candidates settle; the other rows' values are meaningless. ``rule``: vLLM's top-k/top-p
+    implementation whose tie rule applies, ``"pytorch"`` or ``"triton"``."""
     rows, vocab = lp.shape
     k = top_k if top_k is not None and 0 < top_k < vocab else None
     m = min(vocab, max(candidates, k + 1 if k else 0))
-    return _on_candidates(lp.topk(m, dim=-1).values, k, top_p, min_p, whole=m == vocab)
+    return _on_candidates(lp.topk(m, dim=-1).values, k, top_p, min_p, whole=m == vocab, rule=rule)
 
 
 def _low_tail(lp: torch.Tensor, top_p: float, steps: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,14 +126,16 @@ def _low_tail(lp: torch.Tensor, top_p: float, steps: int = 10) -> tuple[torch.Te
     return torch.log1p(-drop_mass), smallest, settled
 
 
-def settle_kept_sets(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def settle_kept_sets(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float, *,
+                     rule: str = "pytorch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kept set's ``(log_s, smallest, settled)`` for every row, through the fast stages.
 
     First the rows whose most likely token alone holds ``top_p`` (then it is the whole kept set, whatever
     min-p and top-k did first: a single row maximum), then :func:`kept_log_mass` with 32 and with 1024
-    candidates, each on the rows still open, a block of at most 256 rows at a time (a copy of a quarter
-    chunk at most). ``settled`` False: take the sorting path.
+    candidates, each on the rows still open: all rows in place, or blocks of a quarter of ``lp``'s rows copied one
+    at a time. ``settled`` False: take the sorting path. ``rule``: as in :func:`kept_log_mass`; under
+    ``"triton"`` with ``top_p <= 0.5`` the first stage is skipped (two maxima tied at >= top_p can exist
+    there, and the kernel keeps only the lower id: the candidates see the tie and leave the row open).
     """
     rows, vocab = lp.shape
     dev = lp.device
@@ -136,7 +144,7 @@ def settle_kept_sets(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p
     smallest = torch.zeros(rows, dtype=lp.dtype, device=dev)
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
     open_rows = torch.arange(rows, device=dev)
-    if top_p < 1.0:
+    if top_p < 1.0 and (rule != "triton" or top_p > 0.5):
         peak = lp.amax(-1)
         alone = peak.double().exp() >= _limit(top_p)  # the mass ranked above the second token reaches the limit
         log_s[alone], smallest[alone], done[alone] = peak[alone].double(), peak[alone], True
@@ -151,8 +159,9 @@ def settle_kept_sets(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p
             if open_rows.numel() == 0:
                 break
         still = []
-        for block in open_rows.split(_BLOCK):
-            a, b, ok = kept_log_mass(lp[block], k, top_p, min_p, candidates)
+        whole = open_rows.numel() == rows  # every row still open: read them in place, no copy
+        for block in open_rows.split(rows if whole else -(-rows // 4)):
+            a, b, ok = kept_log_mass(lp if whole else lp[block], k, top_p, min_p, candidates, rule=rule)
             idx = block[ok]
             log_s[idx], smallest[idx], done[idx] = a[ok], b[ok], True
             still.append(block[~ok])

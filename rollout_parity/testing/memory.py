@@ -24,3 +24,19 @@ def peak_alloc_bytes(fn: Callable[[], object]) -> int:
         current += event.nbytes()
         peak = max(peak, current)
     return peak
+
+
+def peak_extra_bytes(fn: Callable[[], object], device) -> int:
+    """Peak bytes allocated by ``fn()`` beyond what was live before it: torch's CUDA allocator statistics on a GPU,
+    :func:`peak_alloc_bytes` on CPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return peak_alloc_bytes(fn)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
