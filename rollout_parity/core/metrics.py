@@ -1,8 +1,8 @@
 """Diagnostics under the ``rollout_correction/`` prefix, in one pass and one host sync.
 
-ms-swift's set (../shared/seeds/ms-swift-rollout-importance-sampling.txt): ``kl``,
-``k3_kl``, the perplexities, ``chi2_token``, ``chi2_seq``, ``ess``, ``is_weight_mean``,
-``clipped_frac``. Beyond it: ``delta_abs_mean``/``delta_abs_max`` (paper eq. 1),
+ms-swift's set (../shared/seeds/ms-swift-rollout-importance-sampling.txt): ``k1_mean``
+(ms-swift's ``kl``, renamed: a KL name must not go negative), ``k3_kl``, the perplexities,
+``chi2_token``, ``chi2_seq``, ``ess``, ``is_weight_mean``, ``clipped_frac``. Beyond it: ``delta_abs_mean``/``delta_abs_max`` (paper eq. 1),
 ``rejected_token_frac``, ``rejected_seq_frac``, ``off_policy_masked_frac``,
 ``nonfinite_frac`` and the zero-centred loss contribution ``C(r) = −(r−1)A`` split by the
 sign of A (paper eq. 5, ../shared/seeds/tim-diagnosis-paper.txt), whose skew warns of
@@ -11,11 +11,13 @@ TIM before KL does.
 Every statistic is built from sums, counts, maxima and minima. With a process group
 they are all-reduced in float64 (two collectives: SUM and MAX), so a data-parallel run logs the
 metrics of the global batch, equal to one process seeing the concatenated batch.
+The names are ours; ``metric_names.py`` maps them to each framework's (docs/metrics.md).
 
 Definitions (``lr = log r`` sanitised and clamped, see ``ratios.py``; token means are
 over valid tokens; sequence means over sequences with at least one valid token):
 
-* ``kl = mean_t(log π_rollout − log π_train) = mean_t(−lr)``, ``k3_kl = mean_t(r − 1 − lr)``.
+* ``k1_mean = mean_t(log π_rollout − log π_train) = mean_t(−lr)``, the signed k1 estimate of
+  KL(π_rollout‖π_train); ``k3_kl = mean_t(r − 1 − lr)`` ≥ 0.
 * ``training_log_ppl = mean_i(−mean_t log π_train)``, ``training_ppl = mean_i exp(that)``,
   the same for ``rollout_*``; ``log_ppl_diff_i = mean_t log π_rollout − mean_t log π_train``
   with its mean, mean absolute value, max and min; ``ppl_ratio = mean_i exp(log_ppl_diff_i)``.
@@ -98,7 +100,7 @@ def correction_metrics(
     # sums minus the padding count are valid-token sums without a masking pass.
     ratio = stats.ratio
     flat_ratio = ratio.reshape(-1)
-    abs_lr = torch.abs(log_ratio, out=scratch)  # |lr| is 0 on padding and >= 0 elsewhere: the plain max is the valid max
+    abs_lr = torch.abs(log_ratio, out=scratch)  # 0 on padding and >= 0 elsewhere: the plain max is the valid max
     delta_abs, delta_abs_max = abs_lr.sum(), abs_lr.amax() if abs_lr.numel() else zero - math.inf
     # Diagnostics only: the weight an IS correction would start from, r. Masked by a product, not
     # "whole sum minus padding count", which cancels every digit of tiny weights (ess of r = e^-20).
@@ -204,7 +206,7 @@ def _finalise(g: dict[str, float]) -> dict[str, float]:
     else:
         ess = 1.0 if n_tok == 0 else 0.0
     out = {
-        "kl": -tok(g["lr"]) if n_tok > 0 else 0.0,
+        "k1_mean": -tok(g["lr"]) if n_tok > 0 else 0.0,
         "k3_kl": tok(g["k3"]),
         "training_ppl": ppl(g["train_ppl"]) if n_ppl > 0 else 1.0,
         "training_log_ppl": ppl(g["train_log_ppl"]),

@@ -5,7 +5,9 @@ diagnostic is returned as this microbatch's share of the global mean: local mean
 global count. Token means divide by ``global_valid_toks``; sequence means by ``global_valid_seqs``
 (a sample without valid, finite tokens counts as on-policy). Extrema and quantities no sum gives
 are left out. ``normalizations`` names each denominator for NeMo RL main's ``MetricNormalizer``.
-NeMo RL's own metrics are never computed here: they come from its ``ClippedPGLossFn``.
+NeMo RL's own metrics are never computed here: they come from its ``ClippedPGLossFn``, and where one of them is
+the same quantity as ours (the table and its conditions: ``core/metric_names.py``) ours is left out (the
+hand-over does it).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 __all__ = ["TOKEN_MEANS", "SEQ_MEANS", "PPL_MEANS", "LEFT_OUT", "PREFIX", "global_shares", "normalizations"]
 
 PREFIX = "rollout_correction/"
-TOKEN_MEANS = ("kl", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac", "delta_abs_mean",
+TOKEN_MEANS = ("k1_mean", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac", "delta_abs_mean",
                "rejected_token_frac", "nonfinite_frac", "loss_contrib_pos", "loss_contrib_neg",
                "loss_contrib_rollout_pos", "loss_contrib_rollout_neg")
 SEQ_MEANS = ("chi2_seq", "rejected_seq_frac", "off_policy_masked_frac")

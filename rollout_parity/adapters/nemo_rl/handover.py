@@ -24,6 +24,7 @@ from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, GUARD_KEY, as_d
 from rollout_parity.adapters.nemo_rl.versions import nemo_loss_names
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.metric_names import NemoRLLoss, nemo_rl_names
 
 __all__ = ["RolloutParityLossFn"]
 
@@ -93,9 +94,17 @@ class RolloutParityLossFn:
         self.metrics_mode = metrics
         self.nemo_loss_fn = names.ClippedPGLossFn(names.ClippedPGLossConfig(**keys), *nemo_args, **nemo_kwargs)
         self.last_correction = None  # weights/mask of the last microbatch, for inspection
-        if hasattr(self.nemo_loss_fn, "metric_normalizations") and names.MetricNormalizer is not None:
-            self.metric_normalizations = {**self.nemo_loss_fn.metric_normalizations,
-                                          **diagnostics.normalizations(names.MetricNormalizer, metrics == "local")}
+        inner = self.nemo_loss_fn
+        #: what decides which of our diagnostics NeMo RL's loss logs itself (core/metric_names.py): left out of ours
+        self.nemo_settings = NemoRLLoss(
+            kl_type=getattr(inner, "reference_policy_kl_type", "k3"),
+            own_truncation=getattr(inner, "truncated_importance_sampling_ratio", None) is not None,
+            sequence_level=bool(getattr(inner, "sequence_level_importance_ratios", False)))
+        if hasattr(inner, "metric_normalizations") and names.MetricNormalizer is not None:
+            ours = diagnostics.normalizations(names.MetricNormalizer, metrics == "local")
+            if metrics == "nemo":
+                ours = nemo_rl_names(ours, correction, self.nemo_settings)
+            self.metric_normalizations = {**inner.metric_normalizations, **ours}
 
     @classmethod
     def from_nemo_config(cls, loss_cfg: Any, *nemo_args: Any, metrics: str = "nemo",
@@ -170,7 +179,7 @@ class RolloutParityLossFn:
             return loss, {**metrics, **out.metrics}
         ours = diagnostics.global_shares(out.metrics, out, mask, sample_mask, float(global_valid_toks),
                                          float(global_valid_seqs))
-        return loss, {**metrics, **ours}
+        return loss, {**metrics, **nemo_rl_names(ours, cfg, self.nemo_settings)}
 
     def _read(self, next_token_logprobs: torch.Tensor, data: Any):
         """The ``(B, T)`` tensors of NeMo RL's ``ClippedPGLossDataDict``, read as ``[:, 1:]``."""

@@ -1,7 +1,8 @@
 """The diagnostics only TRL's loss can see, from a pass-through that returns TRL's loss untouched.
 
-C(r) split by the sign of the advantage, the off-policy share and ``policy/ppo_kl`` need pi_theta of
-each micro-step: ``observed_forward`` (generation.py) keeps what TRL's loss forward computed, and
+C(r) split by the sign of the advantage, the off-policy share and ``rollout_correction/ppo_k1_mean`` (mean
+log pi_old - log pi_theta over TRL's loss tokens, the drift PPO's ratio sees; signed, so not called a KL) need
+pi_theta of each micro-step: ``observed_forward`` (generation.py) keeps what TRL's loss forward computed, and
 :func:`diagnosed_loss` hands it to the core with the batch's pi_old, pi_rollout and masks.
 """
 
@@ -42,5 +43,5 @@ def diagnosed_loss(state: Any, original: Any, model: Any, inputs: Mapping[str, A
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     for name in THETA_METRICS:
         metrics[name].append(out.metrics[name])
-    metrics["policy/ppo_kl"].append(masked_mean(drift, in_loss, group))
+    metrics["rollout_correction/ppo_k1_mean"].append(masked_mean(drift, in_loss, group))
     return loss

@@ -21,6 +21,7 @@ from rollout_parity.adapters._patching import is_ours, mark
 from rollout_parity.adapters.verl.flags import active_config
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.metric_names import verl_names
 from rollout_parity.core.ratios import check_shapes
 
 __all__ = ["with_rollout_parity", "policy_loss_fn", "ppo_loss_with_global_metrics"]
@@ -72,9 +73,9 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
 
     The wrapped loss runs unchanged on pi_old and pi_theta made finite, ``response_mask`` narrowed
     by the off-policy sequence mask (and by non-finite pi_theta), and verl's ``rollout_is_weights``
-    (our driver's weights) as given. Adds the policy-side metrics (``policy/ppo_kl``,
-    ``rollout_correction/loss_contrib_pos/neg``, ``off_policy_masked_frac``, ``policy/nonfinite_frac``)
-    as micro-batch means.
+    (our driver's weights) as given. Adds the policy-side metrics (``rollout_correction/loss_contrib_pos/neg``,
+    ``off_policy_masked_frac``, ``loss_nonfinite_frac``, and ``ppo_k1_mean`` where the loss logs no
+    ``actor/ppo_kl`` of its own) as micro-batch means.
     """
     if is_ours(loss_fn):
         return loss_fn  # already ours
@@ -107,8 +108,8 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
             # 0 by 0. DESIGN.md's neutral result instead: a zero loss that still backpropagates.
             loss = cur.sum() * 0.0
             metrics = {k: 0.0 if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        own_kl = metrics.get("actor/ppo_kl")  # verl's, over the mask we handed the loss, by the loss's own formula
-        sums = _policy_metric_sums(old, cur, mask, side_mask, nonfinite, side, bypass_in_loss, own_kl)
+        own_kl = "actor/ppo_kl" in metrics  # the loss's own, over the mask we handed it: not logged twice
+        sums = _policy_metric_sums(cfg, old, cur, mask, side_mask, nonfinite, side, bypass_in_loss, own_kl)
         _loss_sums.set(sums)
         metrics.update({name: value / max(n, 1.0) for name, (value, n, _) in sums.items()})
         return loss, metrics
@@ -116,8 +117,8 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
     return mark(policy_loss_with_rollout_parity)
 
 
-def _policy_metric_sums(old, cur, mask, side_mask, nonfinite_valid, side,
-                        bypass_in_loss, own_kl=None) -> dict[str, tuple[float, float, str]]:
+def _policy_metric_sums(cfg, old, cur, mask, side_mask, nonfinite_valid, side,
+                        bypass_in_loss, own_kl=False) -> dict[str, tuple[float, float, str]]:
     """The loss-side metrics as ``{name: (local sum, local count, kind)}``.
 
     ``kind`` names verl's global normaliser a sum is divided by: ``token`` or ``seq``; ``mean``
@@ -125,25 +126,28 @@ def _policy_metric_sums(old, cur, mask, side_mask, nonfinite_valid, side,
     it averages its own ``actor/ppo_kl``. ``mask`` is what the loss trained on; ``side_mask`` what
     the core's diagnostics read.
 
-    ``policy/ppo_kl`` is verl's ``actor/ppo_kl`` over the tokens the loss kept, for every loss mode: the
-    loss's own value where it reports one (each loss has its own formula: gspo does not clamp log r), else
-    vanilla's ``masked_mean(-log r, mask)`` with log r clamped to +-20 (gpg, a loss the user registered). The clip
-    fractions are the loss's own (``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``): each verl loss
-    computes them over the mask handed to it, with its own ratio (gspo's sequence ratio) and the
-    clip range it reads from verl's config; a token-level copy next to them would say something else.
+    Where the loss logs its own ``actor/ppo_kl`` (``own_kl``; each loss has its own formula: gspo does not
+    clamp log r) nothing is added beside it. A loss without one (gpg, a loss the user registered) gets
+    ``rollout_correction/ppo_k1_mean``: vanilla's ``masked_mean(-log r, mask)`` with log r clamped to +-20,
+    named for its estimator (it is signed). The clip fractions are the loss's own (``actor/pg_clipfrac``,
+    ``actor/pg_clipfrac_lower``): each verl loss computes them over the mask handed to it, with its own ratio
+    (gspo's sequence ratio) and the clip range it reads from verl's config; a token-level copy next to them
+    would say something else. Under verl's bypass the core's diagnostics of pi_theta against pi_rollout take
+    verl's ``rollout_corr/*`` names where verl's bypass loss logs the same formula.
     """
     def count(m, seq=False):
         m = m.to(torch.float32)
         return float((m.sum(-1) > 0).sum()) if seq else float(m.sum())
 
-    n_kept, n_side = count(mask), count(side_mask)
-    if own_kl is None:
+    n_side = count(side_mask)
+    sums: dict[str, tuple[float, float, str]] = {}
+    if not own_kl:
         with torch.no_grad():
             log_ratio = (cur.detach().to(torch.float32) - old.to(torch.float32)).clamp(-20.0, 20.0)
-            own_kl = float((-log_ratio * mask.to(torch.float32)).sum()) / max(n_kept, 1.0)
-    sums = {"policy/ppo_kl": (float(own_kl), 1.0, "mean")}
+            k1 = float((-log_ratio * mask.to(torch.float32)).sum()) / max(count(mask), 1.0)
+        sums["rollout_correction/ppo_k1_mean"] = (k1, 1.0, "mean")
     n_valid = count(side_mask.bool() | nonfinite_valid)  # every valid token, trainable or not
-    sums["policy/nonfinite_frac"] = (float(nonfinite_valid.sum()), n_valid, "token")
+    sums["rollout_correction/loss_nonfinite_frac"] = (float(nonfinite_valid.sum()), n_valid, "token")
     if side is not None:
         for key in ("loss_contrib_pos", "loss_contrib_neg"):  # the core's: sum C / (tokens it read)
             name = f"rollout_correction/{key}"
@@ -152,7 +156,7 @@ def _policy_metric_sums(old, cur, mask, side_mask, nonfinite_valid, side,
         sums["rollout_correction/off_policy_masked_frac"] = (
             float(side.off_policy_masked.sum()), count(side_mask, seq=True), "seq")
         if bypass_in_loss:
-            for name, value in side.metrics.items():
+            for name, value in verl_names(side.metrics, cfg).items():
                 if name not in sums and not name.endswith(("nonfinite_frac", "off_policy_masked_frac")):
                     sums[name] = (value, 1.0, "mean")
     return sums
