@@ -74,27 +74,27 @@ def importance_weights(
     if mode in ("token_truncate", "token_mask"):
         ratio = stats.ratio
         bounded = ratio.clamp(min=lower, max=upper)
-        moved = None
-        if count_clipped or mode == "token_mask":
-            # sign(|r - clamp(r)|) is 1 exactly where the clamp moved r: float passes, not a bool mask.
-            moved = torch.sub(ratio, bounded, out=stats.scratch).abs_().sign_()
-            if one_outside:
-                moved.mul_(valid_f)
-        clipped = moved.sum() if count_clipped else None
         if mode == "token_truncate":
+            clipped = None
+            if count_clipped:  # r - clamp(r) is nonzero exactly where the clamp moved r
+                moved = torch.sub(ratio, bounded, out=stats.scratch)
+                clipped = torch.count_nonzero(moved.mul_(valid_f) if one_outside else moved)
             return bounded.mul_(valid_f), clipped
+        # sign(|r - clamp(r)|) is 1 exactly where the clamp moved r: float passes, not a bool mask.
+        moved = torch.sub(ratio, bounded, out=stats.scratch).abs_().sign_()
+        if one_outside:
+            moved.mul_(valid_f)
+        clipped = moved.sum() if count_clipped else None
         # r where the clamp left it, 0 where it moved it: r·valid − r·valid·moved, exact in both cases.
         weights = torch.mul(ratio, valid_f, out=bounded)
         return weights.addcmul_(weights, moved, value=-1.0), clipped
 
     rho = seq_log_ratio.exp()
+    kept = rho.clamp(min=lower, max=upper)
+    seq_clipped = (rho - kept).abs_().sign_()  # 1 where the clamp moved ρ_seq (B,)
     if mode == "sequence_truncate":
-        kept = rho.clamp(min=lower, max=upper)
-        seq_clipped = (rho - kept).abs_().sign_()
         weights = valid_f * kept.unsqueeze(-1)
     else:
-        kept = rho.clamp(min=lower, max=upper)
-        seq_clipped = (rho - kept).abs_().sign_()
         seq_inside = 1.0 - seq_clipped
         if cfg.rollout_importance_sampling_sequence_mask_weight == "sequence":
             weights = valid_f * (rho * seq_inside).unsqueeze(-1)
@@ -220,6 +220,9 @@ def compute_correction(
     # (drift 0, no C(r)) and counted too. π_θ − π_old is non-finite exactly where either is, and
     # C(r) needs that very difference: one tensor serves both.
     delta_on = cfg.off_policy_sequence_mask_delta is not None
+    metrics_on = want_metrics and rollout_logprobs is not None
+    if metrics_on:
+        stats.finite_f  # noqa: B018 - the perplexities need it; built first, the clean mask below reuses it
     reads_current = current_logprobs is not None and not bypass and (want_metrics or delta_on)
     reads_old = rollout_logprobs is None and old_logprobs is not None and delta_on
     if reads_current and old_logprobs is not None:
@@ -232,7 +235,6 @@ def compute_correction(
         advantages = zero_padding_advantages(advantages.detach(), valid_f, stats.tokens_per_seq)
     seq_lr = stats.sequence_log_ratio(cfg.rollout_importance_sampling_sequence_reduction)
 
-    metrics_on = want_metrics and rollout_logprobs is not None
     clipped = None
     if cfg.rollout_importance_sampling_mode is not None:
         weights, clipped = importance_weights(cfg, stats, seq_lr, count_clipped=metrics_on)
