@@ -135,26 +135,30 @@ def _policy_metric_sums(cfg, old, cur, mask, side_mask, nonfinite_valid, side,
     would say something else. Under verl's bypass the core's diagnostics of pi_theta against pi_rollout take
     verl's ``rollout_corr/*`` names where verl's bypass loss logs the same formula.
     """
-    def count(m, seq=False):
-        m = m.to(torch.float32)
-        return float((m.sum(-1) > 0).sum()) if seq else float(m.sum())
-
-    n_side = count(side_mask)
+    # Every count and sum on the device first, then one read back (the core's diagnostics are already floats).
+    f32 = torch.float32
+    with torch.no_grad():
+        side_f = side_mask.to(f32)
+        off_policy = side_f.new_zeros(()) if side is None else side.off_policy_masked.to(f32).sum()
+        parts = {"n_side": side_f.sum(), "n_valid": (side_mask.bool() | nonfinite_valid).to(f32).sum(),
+                 "nonfinite": nonfinite_valid.to(f32).sum(), "side_seqs": (side_f.sum(-1) > 0).to(f32).sum(),
+                 "off_policy": off_policy}
+        if not own_kl:
+            log_ratio = (cur.detach().to(f32) - old.to(f32)).clamp(-20.0, 20.0)
+            mask_f = mask.to(f32)
+            parts.update(k1=(-log_ratio * mask_f).sum(), n_kept=mask_f.sum())
+        got = dict(zip(parts, torch.stack(list(parts.values())).tolist()))
     sums: dict[str, tuple[float, float, str]] = {}
     if not own_kl:
-        with torch.no_grad():
-            log_ratio = (cur.detach().to(torch.float32) - old.to(torch.float32)).clamp(-20.0, 20.0)
-            k1 = float((-log_ratio * mask.to(torch.float32)).sum()) / max(count(mask), 1.0)
-        sums["rollout_correction/ppo_k1_mean"] = (k1, 1.0, "mean")
-    n_valid = count(side_mask.bool() | nonfinite_valid)  # every valid token, trainable or not
-    sums["rollout_correction/loss_nonfinite_frac"] = (float(nonfinite_valid.sum()), n_valid, "token")
+        sums["rollout_correction/ppo_k1_mean"] = (got["k1"] / max(got["n_kept"], 1.0), 1.0, "mean")
+    sums["rollout_correction/loss_nonfinite_frac"] = (got["nonfinite"], got["n_valid"], "token")
     if side is not None:
+        n_side = got["n_side"]
         for key in ("loss_contrib_pos", "loss_contrib_neg"):  # the core's: sum C / (tokens it read)
             name = f"rollout_correction/{key}"
             if name in side.metrics:
                 sums[name] = (side.metrics[name] * n_side, n_side, "token")
-        sums["rollout_correction/off_policy_masked_frac"] = (
-            float(side.off_policy_masked.sum()), count(side_mask, seq=True), "seq")
+        sums["rollout_correction/off_policy_masked_frac"] = (got["off_policy"], got["side_seqs"], "seq")
         if bypass_in_loss:
             for name, value in verl_names(side.metrics, cfg).items():
                 if name not in sums and not name.endswith(("nonfinite_frac", "off_policy_masked_frac")):
