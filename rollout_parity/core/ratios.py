@@ -220,11 +220,19 @@ class TokenStats:
         return self._k3
 
     def row_sum(self, name: str) -> torch.Tensor:
-        """Σ_t K over each sequence's valid tokens (cached: rejection and the diagnostics share it)."""
+        """Σ_t K over each sequence's valid tokens (cached: rejection and the diagnostics share it).
+
+        K3's per-token values are built in :attr:`scratch` when nothing asked for them as a tensor (a
+        ``seq_sum``/``seq_mean`` rule and the diagnostics need only the sums): one fresh buffer fewer.
+        """
         if name == "k1":
             return -self.row_log_ratio
         if name not in self._row_sums:
-            self._row_sums[name] = self.estimator(name).sum(dim=-1)
+            if name == "k3" and self._k3 is None:
+                k3 = torch.expm1(self.log_ratio, out=self.scratch).sub_(self.log_ratio)  # as estimator("k3")
+            else:
+                k3 = self.estimator(name)
+            self._row_sums[name] = k3.sum(dim=-1)
         return self._row_sums[name]
 
     def sequence_log_ratio(self, reduction: str) -> torch.Tensor:
