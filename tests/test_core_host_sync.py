@@ -1,7 +1,7 @@
 """The correction's diagnostics cost one host sync, whatever the flags (issue 31, item 11).
 
-The count is ``rollout_parity.testing.host_sync.host_syncs``: every host read of tensor data on CPU, a
-faithful proxy for a GPU's device-to-host syncs (its module says why).
+The count is ``rollout_parity.testing.host_sync.host_syncs`` (a torch function mode): every host read of tensor
+data on CPU, a faithful proxy for a GPU's device-to-host syncs (its module says why).
 """
 
 from __future__ import annotations
@@ -17,17 +17,36 @@ from rollout_parity.testing.host_sync import host_syncs
 
 
 def test_the_counter_sees_every_kind_of_host_read():
-    """The proxy itself: each way of reading a device value back is counted once."""
-    x = torch.tensor([1.0, 2.0])
-    reads = [lambda: x.sum().item(), lambda: float(x.sum()), lambda: bool(x.sum() > 0), lambda: int(x.sum()),
-             lambda: x.tolist(), lambda: x.cpu(), lambda: x.nonzero(), lambda: x[x > 1], lambda: x.numpy()]
-    for read in reads:
+    """The proxy itself: each way of reading a device value back is counted once, and device-side work not at all."""
+    x, i = torch.tensor([1.0, 2.0]), torch.tensor([1, 2])
+    reads = {"item": lambda: x.sum().item(), "float": lambda: float(x.sum()), "bool": lambda: bool(x.sum() > 0),
+             "int": lambda: int(x.sum()), "index": lambda: range(x.sum().long()), "tolist": lambda: x.tolist(),
+             "cpu": lambda: x.cpu(), "numpy": lambda: x.numpy(),
+             "format": lambda: f"{x.sum():.2f}", "in": lambda: 1.0 in x, "equal": lambda: torch.equal(x, x),
+             "nonzero": lambda: x.nonzero(), "where": lambda: torch.where(x > 1), "bool index": lambda: x[x > 1],
+             "bool index put": lambda: x.clone().__setitem__(x > 1, 0.0),
+             "masked_select": lambda: x.masked_select(x > 1),
+             "unique": lambda: torch.unique(i), "repeat_interleave": lambda: torch.repeat_interleave(x, i),
+             "tensor of tensors": lambda: torch.tensor([x.sum(), x.amax()]),
+             "tensor bound": lambda: torch.arange(i.sum())}
+    for what, read in reads.items():
         with host_syncs() as counts:
             read()
-        assert sum(counts.values()) == 1, (read, dict(counts))
+        assert sum(counts.values()) == 1, (what, dict(counts))
     with host_syncs() as counts:
-        (x * 2).sum().exp()
-    assert sum(counts.values()) == 0
+        y = (x * 2).sum().exp()
+        x[i - 1], x[0], torch.where(x > 1, x, 0.0), torch.repeat_interleave(x, 2), x.to(torch.float64), y.clone()
+    assert sum(counts.values()) == 0, dict(counts)
+
+
+def test_the_counter_leaves_torch_tensor_as_it_was():
+    """A mode, never an attribute set on ``torch.Tensor``: after counting, building a tensor from 0-d tensors (which
+    fails once ``torch.Tensor`` has had a Python-level ``__getitem__``) still works."""
+    before = dict(vars(torch.Tensor))
+    with host_syncs():
+        torch.tensor([1.0])[0].item()
+    assert dict(vars(torch.Tensor)) == before
+    assert torch.tensor([torch.tensor(1.0), torch.tensor(2.0)]).tolist() == [1.0, 2.0]
 
 
 def _batch(seed: int = 0, B: int = 6, T: int = 10, token_advantages: bool = False, nonfinite: bool = True):
