@@ -105,3 +105,35 @@ def test_the_off_policy_mask_without_rollout_logprobs_reads_its_one_metric_back_
     with host_syncs() as counts:
         out = compute_correction(cfg, old_logprobs=old, response_mask=mask, advantages=adv, current_logprobs=current)
     assert sum(counts.values()) == 1 and list(out.metrics) == ["rollout_correction/off_policy_masked_frac"]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_deferred_diagnostics_read_nothing_back_and_name_the_same_values(name):
+    """``defer_metrics``: the call reads nothing back; the pending vector, read back once by the caller (with values
+    of its own, as verl's loss wrapper does), names exactly the metrics of the plain call."""
+    cfg = CONFIGS[name]
+    old, rollout, current, mask, adv = _batch()
+    kwargs = dict(old_logprobs=None if cfg.old_logprob_source == "bypass" else old, rollout_logprobs=rollout,
+                  response_mask=mask, advantages=adv, current_logprobs=current, with_metrics=True)
+    plain = compute_correction(cfg, **kwargs)
+    with host_syncs() as counts:
+        deferred = compute_correction(cfg, defer_metrics=True, **kwargs)
+    assert dict(counts) == {} and deferred.metrics == {} and plain.pending_metrics is None
+    assert torch.equal(deferred.mask, plain.mask) and torch.equal(deferred.weights, plain.weights)
+    theirs = torch.tensor([7.0], dtype=torch.float64)  # a caller's own value, read in the same transfer
+    values = torch.cat([theirs, deferred.pending_metrics]).tolist()
+    assert deferred.finish_metrics(values[1:]) == plain.metrics
+    with pytest.raises(ValueError, match="expected"):
+        deferred.finish_metrics(values)
+
+
+def test_the_off_policy_mask_alone_defers_its_one_metric_too():
+    old, _, current, mask, adv = _batch()
+    cfg = CorrectionConfig(off_policy_sequence_mask_delta=0.05)
+    plain = compute_correction(cfg, old_logprobs=old, response_mask=mask, advantages=adv, current_logprobs=current)
+    with host_syncs() as counts:
+        deferred = compute_correction(cfg, old_logprobs=old, response_mask=mask, advantages=adv,
+                                      current_logprobs=current, defer_metrics=True)
+    assert dict(counts) == {} and deferred.finish_metrics(deferred.pending_metrics.tolist()) == plain.metrics
+    without = compute_correction(CorrectionConfig(), old_logprobs=old, response_mask=mask, defer_metrics=True)
+    assert without.pending_metrics is None and without.finish_metrics([]) == {}

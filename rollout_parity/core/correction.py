@@ -14,14 +14,14 @@ Weights are detached: they change the measure, not the objective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .config import CorrectionConfig, RejectionRule
-from .metrics import correction_metrics
+from .metrics import PREFIX, correction_metric_values, finish_correction_metrics
 from .ratios import (TokenStats, check_shapes, compute_dtype, sanitized_log_ratio,
                      zero_padding_advantages)
 
@@ -39,6 +39,10 @@ class CorrectionOutput:
     ``nonfinite`` are float 0/1 ``(B, T)`` masks of the valid tokens they name (``nonfinite``:
     a logprob the correction read, π_old, π_rollout or π_θ, is NaN or ±inf);
     ``off_policy_masked`` is a bool ``(B,)``.
+
+    With ``compute_correction(..., defer_metrics=True)`` the diagnostics stay on the device:
+    ``metrics`` is empty and ``pending_metrics`` is a float64 vector; ``finish_metrics(values)``
+    names its values once read back, so a caller with values of its own reads all in one transfer.
     """
 
     weights: torch.Tensor
@@ -50,6 +54,12 @@ class CorrectionOutput:
     rejected: Optional[torch.Tensor] = None
     off_policy_masked: Optional[torch.Tensor] = None
     nonfinite: Optional[torch.Tensor] = None
+    pending_metrics: Optional[torch.Tensor] = None
+    _finish: Optional[Callable[[Sequence[float]], dict[str, float]]] = field(default=None, repr=False)
+
+    def finish_metrics(self, values: Sequence[float]) -> dict[str, float]:
+        """The diagnostics named, from ``values`` = ``pending_metrics`` read back (``{}`` when none are pending)."""
+        return {} if self._finish is None else self._finish(values)
 
 
 def importance_weights(
@@ -153,6 +163,7 @@ def compute_correction(
     current_logprobs: Optional[torch.Tensor] = None,
     process_group: Any = None,
     with_metrics: Optional[bool] = None,
+    defer_metrics: bool = False,
 ) -> CorrectionOutput:
     """Weights, mask and diagnostics for one batch (docs/flags.md).
 
@@ -168,6 +179,8 @@ def compute_correction(
         process_group: a ``torch.distributed`` group: metric sums and counts are
             all-reduced over it, so diagnostics are global, not per rank.
         with_metrics: force diagnostics on or off; default ``cfg.wants_metrics``.
+        defer_metrics: leave the diagnostics on the device (``pending_metrics``, named by
+            ``finish_metrics``) instead of reading them back here: no host sync in this call.
 
     Returns:
         ``CorrectionOutput`` with ``weights`` (1 where no IS mode is set), ``mask`` (the
@@ -285,13 +298,13 @@ def compute_correction(
     else:
         mask = response_mask * keep_f.to(response_mask.dtype)
 
-    metrics: dict[str, float] = {}
+    pending, finish = None, None
     if want_metrics and rollout_logprobs is None:
         seq_valid = stats.tokens_per_seq > 0
-        frac = (off_policy & seq_valid).sum() / seq_valid.sum().clamp_min(1)
-        metrics = {"rollout_correction/off_policy_masked_frac": float(frac)}
+        pending = ((off_policy & seq_valid).sum() / seq_valid.sum().clamp_min(1)).to(torch.float64).reshape(1)
+        finish = _off_policy_frac_only
     elif metrics_on:
-        metrics = correction_metrics(
+        pending = correction_metric_values(
             stats=stats,
             seq_log_ratio=seq_lr,
             base_logprobs=base,
@@ -307,6 +320,10 @@ def compute_correction(
             bypass=bypass,
             process_group=process_group,
         )
+        finish = finish_correction_metrics
+    metrics: dict[str, float] = {}
+    if pending is not None and not defer_metrics:
+        metrics = finish(pending.tolist())  # the one host sync
 
     return CorrectionOutput(
         weights=weights.detach(),
@@ -318,4 +335,11 @@ def compute_correction(
         rejected=rejected if rejected is not None else torch.zeros_like(valid_f),
         off_policy_masked=off_policy,
         nonfinite=stats.read_nonfinite_f,
+        pending_metrics=pending if defer_metrics else None,
+        _finish=finish if defer_metrics else None,
     )
+
+
+def _off_policy_frac_only(values: Sequence[float]) -> dict[str, float]:
+    """The one diagnostic without rollout logprobs (the off-policy mask on π_old)."""
+    return {PREFIX + "off_policy_masked_frac": float(values[0])}

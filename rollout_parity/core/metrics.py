@@ -38,14 +38,14 @@ over valid tokens; sequence means over sequences with at least one valid token):
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .distributed import all_reduce
 from .ratios import LOG_RATIO_BOUND, TokenStats
 
-#: ``correction_metrics`` is reached through ``compute_correction`` only (its one caller).
+#: ``correction_metric_values`` and ``finish_correction_metrics`` are reached through ``compute_correction`` only.
 __all__ = ["PREFIX"]
 
 PREFIX = "rollout_correction/"
@@ -63,7 +63,7 @@ _SUM_KEYS = (
 _MAX_KEYS = ("delta_abs_max", "lpd_max", "neg_lpd_min")
 
 
-def correction_metrics(
+def correction_metric_values(
     *,
     stats: TokenStats,
     seq_log_ratio: torch.Tensor,
@@ -79,8 +79,10 @@ def correction_metrics(
     current_logprobs: Optional[torch.Tensor],
     bypass: bool,
     process_group: Any = None,
-) -> dict[str, float]:
-    """All diagnostics of one batch; ``weights``/``clipped``/``rejected`` are None when off.
+) -> torch.Tensor:
+    """All diagnostics of one batch as one float64 vector on the device, all-reduced over ``process_group``;
+    :func:`finish_correction_metrics` turns it, read back, into the named metrics. ``weights``/``clipped``/
+    ``rejected`` are None when off.
 
     ``clipped`` is the count of valid tokens the IS mode truncated or zeroed (0-d); ``rejected`` a
     float 0/1 mask over valid tokens, and ``rejected_rows`` the rejected sequences (bool ``(B,)``)
@@ -155,9 +157,14 @@ def correction_metrics(
     maxes = torch.cat([delta_abs_max.to(torch.float64).reshape(1), extrema])
     all_reduce(sums, process_group)
     all_reduce(maxes, process_group, "max")
-    values = torch.cat([sums, maxes]).tolist()  # the one host sync
-    g = dict(zip(_SUM_KEYS + _MAX_KEYS, values))
-    return _finalise(g)
+    return torch.cat([sums, maxes])
+
+
+def finish_correction_metrics(values: Sequence[float]) -> dict[str, float]:
+    """The named diagnostics from :func:`correction_metric_values`' vector, read back (its one host sync)."""
+    if len(values) != len(_SUM_KEYS + _MAX_KEYS):
+        raise ValueError(f"expected {len(_SUM_KEYS + _MAX_KEYS)} values (correction_metric_values), got {len(values)}")
+    return _finalise(dict(zip(_SUM_KEYS + _MAX_KEYS, values)))
 
 
 def _loss_contributions(stats: TokenStats, advantages: torch.Tensor, current_logprobs: torch.Tensor,
