@@ -382,6 +382,48 @@ def test_metrics_are_the_global_batch_for_any_microbatching(nemo, name):
             assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (mbs, key)
 
 
+class _CountedLoss:
+    """NeMo RL's loss as the hand-over calls it, with the host reads of its own calls counted apart (a mode inside
+    another: both count a read, so ours are the outer count minus these)."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.calls, self.reads = loss_fn, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        from rollout_parity.testing.host_sync import host_syncs
+
+        self.calls += 1
+        with host_syncs() as counts:
+            result = self.loss_fn(*args, **kwargs)
+        self.reads += sum(counts.values())
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.loss_fn, name)
+
+
+@pytest.mark.parametrize("kind", ["finite", "nonfinite"])
+@pytest.mark.parametrize("flags", ["tis_srs_k3", "k1_k2_rejection_off_policy"])
+def test_the_hand_over_reads_the_device_back_once_per_microbatch(nemo, flags, kind):
+    """Host syncs (counted on CPU, rollout_parity/testing/host_sync.py) of one microbatch's loss call beyond
+    NeMo RL's own loss: one, for our diagnostics, the counts they are scaled by, the loss and the check for
+    non-finite engine logprobs together. With those (``nonfinite``) NeMo RL's loss runs a second time, for
+    finite metrics."""
+    from rollout_parity.testing.host_sync import host_syncs
+
+    ours_fn = ours_from(NEMO_CASES["kl_k3"], FLAG_CASES[flags])
+    data, _ = make_data(nemo, kind)
+    batch, gvs, gvt = global_counts(nemo, data, ours_fn)
+    mb = next(iter(batch.make_microbatch_iterator(4)))
+    theirs = ours_fn.__dict__["nemo_loss_fn"] = _CountedLoss(ours_fn.nemo_loss_fn)
+    with host_syncs() as counts:
+        _, metrics = ours_fn(next_token_logprobs=mb["next_token_logprobs"].detach(), data=mb,
+                             global_valid_seqs=gvs, global_valid_toks=gvt)
+    assert "rollout_correction/nonfinite_frac" in metrics and theirs.reads > 0
+    assert theirs.calls == (2 if kind == "nonfinite" else 1)
+    assert sum(counts.values()) - theirs.reads == 1, (dict(counts), theirs.reads)
+
+
 @pytest.mark.parametrize("kl, ours", [("k3", "k3_kl"), ("k1", "k1_mean")])
 def test_ours_give_way_where_nemos_own_metric_is_the_same_quantity(nemo, kl, ours):
     """Diagnostics only (no IS mode, nothing removed), NeMo RL's own truncation off, token-level ratios: NeMo RL's

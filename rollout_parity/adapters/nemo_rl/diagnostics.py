@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TOKEN_MEANS", "SEQ_MEANS", "PPL_MEANS", "LEFT_OUT", "PREFIX", "global_shares", "normalizations"]
+__all__ = ["TOKEN_MEANS", "SEQ_MEANS", "PPL_MEANS", "LEFT_OUT", "PREFIX", "counts", "global_shares", "normalizations"]
 
 PREFIX = "rollout_correction/"
 TOKEN_MEANS = ("k1_mean", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac", "delta_abs_mean",
@@ -28,15 +28,20 @@ LEFT_OUT = ("ess", "delta_abs_max", "log_ppl_diff_max", "log_ppl_diff_min", "tra
             "training_log_ppl", "rollout_ppl", "rollout_log_ppl")
 
 
-def global_shares(core_metrics: dict, out: Any, mask: torch.Tensor, sample_mask: torch.Tensor,
-                  gvt: float, gvs: float) -> dict[str, float]:
-    """The core's local means (``compute_correction`` on one microbatch) as shares of the global
-    means. ``mask`` is NeMo RL's ``token_mask * sample_mask`` before our rejection."""
-    n_tok = float(mask.sum())
-    n_seq = float((mask.sum(dim=-1) > 0).sum())
+def counts(out: Any, mask: torch.Tensor, sample_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The local counts :func:`global_shares` scales by, on the device (read back with the diagnostics).
+    ``mask`` is NeMo RL's ``token_mask * sample_mask`` before our rejection."""
     finite = mask - out.nonfinite.to(mask.dtype)
-    n_ppl = float((finite.sum(dim=-1) > 0).sum())
-    n_samples = float(sample_mask.sum())
+    return {"n_tok": mask.sum(), "n_seq": (mask.sum(dim=-1) > 0).sum(), "n_ppl": (finite.sum(dim=-1) > 0).sum(),
+            "n_samples": sample_mask.sum()}
+
+
+def global_shares(core_metrics: dict, counted: dict[str, float]) -> dict[str, float]:
+    """The core's local means (``compute_correction`` on one microbatch) as shares of the global
+    means; ``counted``: :func:`counts` read back, with NeMo RL's ``gvt``/``gvs`` (global valid tokens and
+    sequences)."""
+    n_tok, n_seq, n_ppl, n_samples = (counted[k] for k in ("n_tok", "n_seq", "n_ppl", "n_samples"))
+    gvt, gvs = counted["gvt"], counted["gvs"]
     per_tok = 1.0 / gvt if gvt > 0 else 0.0
     per_seq = 1.0 / gvs if gvs > 0 else 0.0
     shares: dict[str, float] = {}
