@@ -1,4 +1,4 @@
-"""What the correction costs on top of the loss: B=64, T=4096, fp32, CPU.
+"""What the correction costs on top of the loss: B=64, T=4096, fp32, on ``--device`` (cpu or cuda).
 
 Prints, measured in this one run (machines here are noisy, so only ratios are compared):
   policy_loss alone (forward + backward)                      -> the baseline
@@ -6,9 +6,11 @@ Prints, measured in this one run (machines here are noisy, so only ratios are co
 and their ratio. Target: ratio <= 1.5, i.e. the correction costs at most half the loss.
 
 The loss is timed with its backward because that is what a training step pays for it; the
-correction has no backward (its weights are detached). Both include their metrics' host sync.
+correction has no backward (its weights are detached). Both include their metrics' one host
+sync each; on a GPU every timed call ends with ``torch.cuda.synchronize()``, so a call's time is
+its kernels' time, not only their launch.
 
-Last line: ``RESULT overhead_ratio=...`` (every benchmark's last line, docs/benchmarks.md).
+Last line: ``RESULT overhead_ratio=... correction_vs_loss=... metrics_vs_loss=...`` (ratios of this run).
 """
 
 from __future__ import annotations
@@ -21,29 +23,33 @@ import torch
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
 
 
-def make_batch(B: int, T: int, seed: int = 0):
+def make_batch(B: int, T: int, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None] < lengths[:, None]).float()
     old = -torch.rand(B, T, generator=g) * 3
     rollout = old + torch.randn(B, T, generator=g) * 0.02
-    current = (old + torch.randn(B, T, generator=g) * 0.05).requires_grad_()
+    current = old + torch.randn(B, T, generator=g) * 0.05
     adv = torch.randn(B, generator=g)
-    return old, rollout, current, mask, adv
+    old, rollout, mask, adv = (t.to(device) for t in (old, rollout, mask, adv))
+    return old, rollout, current.to(device).requires_grad_(), mask, adv
 
 
-def fastest(fns: dict, repeats: int) -> dict:
+def fastest(fns: dict, repeats: int, device: str = "cpu") -> dict:
     """The fastest call of each function, calling them in turn so drift in machine load hits all alike.
 
     On a shared machine noise only ever adds time, so the minimum is the stable statistic.
     """
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for fn in fns.values():
         fn()  # warm-up
+    sync()
     best = {name: float("inf") for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
+            sync()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
 
@@ -53,9 +59,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     args = parser.parse_args()
 
-    old, rollout, current, mask, adv = make_batch(args.batch, args.tokens)
+    old, rollout, current, mask, adv = make_batch(args.batch, args.tokens, device=args.device)
     plain = CorrectionConfig()
     cfg = CorrectionConfig.preset("tis_srs_k3", off_policy_sequence_mask_delta=0.5)
 
@@ -71,21 +78,28 @@ def main() -> None:
         loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
         loss.backward()
 
-    def correction_only():
-        compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
-                           advantages=adv, current_logprobs=current)
+    def correction_only(with_metrics: bool):
+        def run():
+            compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                               advantages=adv, current_logprobs=current, with_metrics=with_metrics)
+        return run
 
-    best = fastest({"loss": loss_only, "full": corrected, "correction": correction_only}, args.repeats)
-    t_base, t_full, t_corr = best["loss"], best["full"], best["correction"]
+    best = fastest({"loss": loss_only, "full": corrected, "correction": correction_only(True),
+                    "no_metrics": correction_only(False)}, args.repeats, args.device)
+    t_base, t_full, t_corr, t_bare = best["loss"], best["full"], best["correction"], best["no_metrics"]
     ratio = t_full / t_base
 
-    print(f"B={args.batch} T={args.tokens} fp32 CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+             else f"CPU, {torch.get_num_threads()} threads")
+    print(f"B={args.batch} T={args.tokens} fp32 on {where}, torch {torch.__version__}")
     print(f"{'what':58s} {'ms':>9s}")
-    print(f"{'policy_loss alone (fwd+bwd)':58s} {t_base * 1e3:9.2f}")
-    print(f"{'compute_correction (tis_srs_k3 + off-policy + metrics)':58s} {t_corr * 1e3:9.2f}")
-    print(f"{'compute_correction + policy_loss (fwd+bwd)':58s} {t_full * 1e3:9.2f}")
+    print(f"{'policy_loss alone (fwd+bwd)':58s} {t_base * 1e3:9.3f}")
+    print(f"{'compute_correction (tis_srs_k3 + off-policy), no metrics':58s} {t_bare * 1e3:9.3f}")
+    print(f"{'compute_correction (tis_srs_k3 + off-policy + metrics)':58s} {t_corr * 1e3:9.3f}")
+    print(f"{'compute_correction + policy_loss (fwd+bwd)':58s} {t_full * 1e3:9.3f}")
     print(f"overhead ratio (target <= 1.5): {ratio:.3f}")
-    print(f"RESULT overhead_ratio={ratio:.3f} correction_vs_loss={t_corr / t_base:.3f}")
+    print(f"RESULT overhead_ratio={ratio:.3f} correction_vs_loss={t_corr / t_base:.3f} "
+          f"metrics_vs_loss={(t_corr - t_bare) / t_base:.3f}")
 
 
 if __name__ == "__main__":

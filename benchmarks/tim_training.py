@@ -73,14 +73,17 @@ COLORS = {"parity": "tab:green", "mismatch": "tab:red", "tis_srs_k3": "tab:blue"
 #: Per-step series kept from TRL's log history (rollout-parity's diagnostics and TRL's own).
 SERIES = {
     "reward": "reward", "reward_std": "reward_std",
-    "delta_abs_mean": "rollout_correction/delta_abs_mean", "delta_abs_max": "rollout_correction/delta_abs_max",
+    # ours under TRL's names where TRL has the quantity (docs/metrics.md)
+    "delta_abs_mean": "sampling/sampling_logp_difference/mean",
+    "delta_abs_max": "sampling/sampling_logp_difference/max",
     "k3_kl": "rollout_correction/k3_kl", "rejected_seq_frac": "rollout_correction/rejected_seq_frac",
     "rejected_token_frac": "rollout_correction/rejected_token_frac",
     "c_pos": "rollout_correction/loss_contrib_pos", "c_neg": "rollout_correction/loss_contrib_neg",
     "c_rollout_pos": "rollout_correction/loss_contrib_rollout_pos",
     "c_rollout_neg": "rollout_correction/loss_contrib_rollout_neg",
     "is_ratio_min": "sampling/importance_sampling_ratio/min", "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
-    "ppo_kl": "policy/ppo_kl", "clip_ratio": "clip_ratio/region_mean", "completion_length": "completions/mean_length",
+    "ppo_k1_mean": "rollout_correction/ppo_k1_mean", "clip_ratio": "clip_ratio/region_mean",
+    "completion_length": "completions/mean_length",
 }
 
 _DERIVED = ("masked_seq_frac", "c_tim_pos", "c_tim_neg")
@@ -308,7 +311,9 @@ def write_csv(runs: list[dict], path: Path) -> None:
         writer.writerow(["condition", "sigma", "seed", "step", *SERIES, *_DERIVED])
         for r in runs:
             for s in r["steps"]:
-                writer.writerow([r["condition"], r["sigma"], r["seed"], s["step"], *(s[k] for k in (*SERIES, *_DERIVED))])
+                # .get: runs saved before a series was added or renamed leave its cell empty
+                writer.writerow([r["condition"], r["sigma"], r["seed"], s["step"],
+                                 *(s.get(k) for k in (*SERIES, *_DERIVED))])
 
 
 def _seed_mean(runs: list[dict], key: str, window: int = 1) -> tuple[list, list]:

@@ -78,8 +78,9 @@ def main() -> None:
     trainer.train()
     for log in trainer.state.log_history:
         shown = {k: round(v, 4) for k, v in log.items()
-                 if k in ("loss", "reward") or k.startswith("rollout_correction/") and
-                 k.split("/")[1] in ("kl", "k3_kl", "is_weight_mean", "clipped_frac", "ess", "delta_abs_mean")}
+                 if k in ("loss", "reward", "sampling/sampling_logp_difference/mean") or  # TRL's name for ours
+                 k.startswith("rollout_correction/") and
+                 k.split("/")[1] in ("k1_mean", "k3_kl", "is_weight_mean", "clipped_frac", "ess")}
         if shown:
             print(shown)
 

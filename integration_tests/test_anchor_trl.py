@@ -50,6 +50,8 @@ from rollout_parity.check.trl_batch import (  # noqa: E402
 from rollout_parity.check.trl_batch import through_trl as run_through_trl  # noqa: E402
 from rollout_parity import CorrectionConfig, compute_correction  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
+from rollout_parity.adapters.trl.generation import TRL_SAMPLING_METRICS  # noqa: E402
+from rollout_parity.core.metric_names import trl_names  # noqa: E402
 
 pytestmark = [pytest.mark.trl]
 
@@ -147,14 +149,17 @@ def test_shared_batch_through_trl_matches_core(clean, name, loss_type):
     _close(grad, want_grad, f"{name} {loss_type} gradient")
     assert grad.abs().sum() > 0
 
-    keys = [k for k in expected["metrics"] if k.startswith("rollout_correction/")]
-    missing = sorted(set(keys) - set(logged))
+    # the core's values, under TRL's names where TRL has the quantity (core/metric_names.py)
+    want = trl_names({k: v for k, v in expected["metrics"].items() if k.startswith("rollout_correction/")}, cfg)
+    assert "sampling/sampling_logp_difference/mean" in want and "rollout_correction/delta_abs_mean" not in want
+    missing = sorted(set(want) - set(logged))
     assert not missing, f"missing metrics: {missing}"
-    for key in keys:
-        assert math.isclose(logged[key], expected["metrics"][key], rel_tol=1e-5, abs_tol=TOL), (
-            f"{name} {key}: through TRL {logged[key]} != core {expected['metrics'][key]}")
+    for key, value in want.items():
+        assert math.isclose(logged[key], value, rel_tol=1e-5, abs_tol=TOL), (
+            f"{name} {key}: through TRL {logged[key]} != core {value}")
     if cfg.off_policy_sequence_mask_delta is None:  # TRL's mask keeps masked sequences in its metric means
-        assert logged["policy/ppo_kl"] == pytest.approx(expected["metrics"]["policy/ppo_kl"], abs=TOL)
+        assert logged["rollout_correction/ppo_k1_mean"] == pytest.approx(expected["metrics"]["policy/ppo_k1_mean"],
+                                                                         abs=TOL)
         # TRL's own clip fraction (its region rule) equals the core's on the same tokens.
         assert logged["clip_ratio/region_mean"] == pytest.approx(expected["metrics"]["policy/pg_clipfrac"], abs=TOL)
     if cfg.changes_loss:  # what TRL's channels carry: our weights on its loss tokens, rejection out of tool_mask
@@ -210,6 +215,30 @@ def test_trl_importance_sampling_ratio_equals_ours(clean, name):
     _close(torch.where(mask, ours.weights, 0.0), torch.where(mask, ratio, 0.0), f"{name}: ours vs TRL's IS ratio")
     assert torch.equal((ours.weights == 0) & mask, (ratio == 0) & mask)
     assert ((ratio == 0) | (ratio == clip_max) | ((clip_min is not None) & (ratio == (clip_min or 0))))[mask].any()
+
+
+@pytest.mark.parametrize("name", list(TRL_MODES))
+def test_trl_sampling_metrics_are_trls_own_values_under_its_own_names(clean, name):
+    """TRL's own ``sampling/*`` (its importance sampling, the adapter off) and what the adapter logs under those
+    names (the same flags, ours acting) on one batch: same value, same name, and TRL's own entry is replaced,
+    not doubled. A healthy batch (finite, every completion with a token): TRL leaves a NaN token out of its
+    logp difference and counts a completion without tokens among its sequences (docs/metrics.md)."""
+    trainer = clean
+    mode, clip_max, clip_min = TRL_MODES[name]
+    batch = _finite_batch()
+    batch.response_mask[batch.response_mask.sum(-1) == 0, 0] = 1.0  # the shared batch's empty row: one token
+    own = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")
+    defaults = {k: getattr(trainer, k) for k in own}
+    trainer.vllm_importance_sampling_correction = True
+    trainer.__dict__.update(zip(own, (mode, clip_max, clip_min)))
+    _, _, theirs, _ = through_trl(trainer, None, "bnpo", batch)
+    trainer.__dict__.update(defaults)  # ours replaces TRL's in its channel: TRL's own settings back to its defaults
+    _, _, ours, _ = through_trl(trainer, _our_flags(name, mode, clip_max, clip_min), "bnpo", batch)
+    for key in TRL_SAMPLING_METRICS:
+        assert key in theirs and len(trainer._metrics["train"][key]) == 1, key
+        assert ours[key] == pytest.approx(theirs[key], abs=TOL, rel=TOL), key
+    assert theirs["sampling/importance_sampling_ratio/min"] < 1 < theirs["sampling/importance_sampling_ratio/max"] or (
+        theirs["sampling/importance_sampling_ratio/min"] == 0.0)  # the weights are not all one
 
 
 @pytest.mark.parametrize("delta", [0.02, 0.1, 0.5])

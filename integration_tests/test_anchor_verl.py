@@ -20,22 +20,18 @@ from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 
 from rollout_parity import CorrectionConfig, compute_correction  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
+from rollout_parity.core.metric_names import verl_names  # noqa: E402
 from integration_tests.support.verl_equivalent import verl_equivalent  # noqa: E402
 
 pytestmark = [pytest.mark.verl]
 
 ATOL = 1e-6
 
-# our metric name -> verl's (both after their prefixes)
-SHARED_METRICS = {
-    "kl": "kl", "k3_kl": "k3_kl", "training_ppl": "training_ppl", "training_log_ppl": "training_log_ppl",
-    "rollout_ppl": "rollout_ppl", "rollout_log_ppl": "rollout_log_ppl", "log_ppl_diff": "log_ppl_diff",
-    "log_ppl_abs_diff": "log_ppl_abs_diff", "log_ppl_diff_max": "log_ppl_diff_max",
-    "log_ppl_diff_min": "log_ppl_diff_min", "ppl_ratio": "ppl_ratio", "chi2_token": "chi2_token",
-}
-IS_METRICS = {"is_weight_mean": "rollout_is_mean", "ess": "rollout_is_eff_sample_size"}
-RS_METRICS = {"rejected_token_frac": "rollout_rs_masked_fraction",
-              "rejected_seq_frac": "rollout_rs_seq_masked_fraction"}
+#: verl's names our diagnostics take on every batch (core/metric_names.py), whatever the flags: the table may add
+#: more under a condition, never fewer.
+ALWAYS_VERL = {"rollout_corr/" + k for k in (
+    "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff",
+    "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token")}
 
 
 def anchor_batch(seed: int = 7, B: int = 10, T: int = 14, spread: float = 0.15):
@@ -56,17 +52,27 @@ def run_verl(old, rollout, mask, verl_cfg):
         rollout_rs=verl_cfg["rollout_rs"], rollout_rs_threshold=verl_cfg["rollout_rs_threshold"],
     )
     weights = None if weights_proto is None else weights_proto.batch["rollout_is_weights"]
-    return weights, new_mask, {k.removeprefix("rollout_corr/"): v for k, v in metrics.items()}
+    return weights, new_mask, metrics
 
 
 def run_core(cfg, old, rollout, mask):
     out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask, with_metrics=True)
-    return out.weights, out.mask, {k.removeprefix("rollout_correction/"): v for k, v in out.metrics.items()}
+    return out.weights, out.mask, out.metrics
 
 
-def assert_metrics(ours, theirs, mapping):
-    for our_key, verl_key in mapping.items():
-        assert ours[our_key] == pytest.approx(theirs[verl_key], abs=ATOL, rel=ATOL), (our_key, verl_key)
+def assert_same_as_verl(cfg, ours, theirs, also=()):
+    """Every diagnostic the table names after verl under ``cfg`` is verl's own value under that name: same value,
+    same name. ``also``: verl names this case must reach (beyond ``ALWAYS_VERL``), so a table that loses an entry
+    fails here. Returns the names shared."""
+    named = verl_names(ours, cfg)
+    shared = {k for k in named if k.startswith("rollout_corr/")}
+    assert ALWAYS_VERL | set(also) <= shared, sorted(ALWAYS_VERL | set(also) - shared)
+    for key in shared:
+        assert named[key] == pytest.approx(theirs[key], abs=ATOL, rel=ATOL), key
+    # k1: verl's rollout_corr/kl is this very formula; the name is left to verl because it goes negative
+    assert ours["rollout_correction/k1_mean"] == pytest.approx(theirs["rollout_corr/kl"], abs=ATOL, rel=ATOL)
+    assert "rollout_corr/kl" not in named
+    return shared
 
 
 IS_CASES = {
@@ -97,15 +103,30 @@ def test_is_weights_and_metrics_match_verl(name, seed):
     w_verl, m_verl, met_verl = run_verl(old, rollout, mask, verl_equivalent(cfg))
     torch.testing.assert_close(w_ours, w_verl, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
-    assert_metrics(met_ours, met_verl, {**SHARED_METRICS, **IS_METRICS})
+    also = {"rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size"}
     if cfg.rollout_importance_sampling_sequence_reduction == "product":
-        assert_metrics(met_ours, met_verl, {"chi2_seq": "chi2_seq"})
+        also.add("rollout_corr/chi2_seq")
     if name.startswith("token_mask"):  # our clipped_frac is verl's IcePop out-of-bounds ratio
-        assert_metrics(met_ours, met_verl, {"clipped_frac": "rollout_is_oob_ratio"})
+        also.add("rollout_corr/rollout_is_oob_ratio")
     elif name.startswith("token_truncate") or name == "verl_decoupled_token_is":
-        assert_metrics(met_ours, met_verl, {"clipped_frac": "rollout_is_ratio_fraction_high"})
+        also.add("rollout_corr/rollout_is_ratio_fraction_high")
+    assert_same_as_verl(cfg, met_ours, met_verl, also)
     # the batch is not trivially on-policy: something was actually truncated or zeroed
-    assert 0 < met_ours["clipped_frac"] or name.startswith("sequence")
+    assert 0 < met_ours["rollout_correction/clipped_frac"] or name.startswith("sequence")
+
+
+def test_a_different_formula_keeps_our_name():
+    """Our chi2_seq under the geometric mean (ms-swift's, our default) is not verl's product one: verl's value
+    differs, so the table leaves it under our prefix; the same goes for clipped_frac of the sequence modes."""
+    old, rollout, mask = anchor_batch(0)
+    for cfg, key, verl_key in (
+            (IS_CASES["token_truncate_1.3"], "chi2_seq", "chi2_seq"),
+            (IS_CASES["sequence_truncate_product"], "clipped_frac", "rollout_is_ratio_fraction_high")):
+        _, _, ours = run_core(cfg, old, rollout, mask)
+        _, _, theirs = run_verl(old, rollout, mask, verl_equivalent(cfg))
+        assert ours["rollout_correction/" + key] != pytest.approx(theirs["rollout_corr/" + verl_key], rel=1e-3)
+        named = verl_names(ours, cfg)
+        assert "rollout_correction/" + key in named and "rollout_corr/" + verl_key not in named
 
 
 REJECTION_CASES = [
@@ -141,7 +162,8 @@ def test_rejection_masks_match_verl(flags, seed):
     assert 0 < kept < valid, "thresholds should reject some but not all tokens on this batch"
     if w_verl is not None:
         torch.testing.assert_close(w_ours, w_verl, atol=ATOL, rtol=ATOL)
-    assert_metrics(met_ours, met_verl, {**SHARED_METRICS, **RS_METRICS})
+    assert_same_as_verl(cfg, met_ours, met_verl,
+                        {"rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction"})
 
 
 def test_tis_srs_k3_preset_matches_verl_at_paper_threshold():
@@ -152,7 +174,10 @@ def test_tis_srs_k3_preset_matches_verl_at_paper_threshold():
     w_verl, m_verl, met_verl = run_verl(old, rollout, mask, verl_equivalent(cfg))
     torch.testing.assert_close(w_ours, w_verl, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(m_ours, m_verl.to(m_ours.dtype), atol=0, rtol=0)
-    assert_metrics(met_ours, met_verl, {**SHARED_METRICS, **IS_METRICS, **RS_METRICS})
+    assert_same_as_verl(cfg, met_ours, met_verl, {
+        "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size",
+        "rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_rs_masked_fraction",
+        "rollout_corr/rollout_rs_seq_masked_fraction"})
 
 
 @pytest.mark.parametrize("name", ["verl_decoupled_token_is", "token_mask_icepop", "sequence_truncate_product"])
@@ -167,7 +192,7 @@ def test_driver_hook_writes_what_verls_own_correction_writes(name):
 
     original = getattr(helper.compute_rollout_correction_and_add_to_batch, "__wrapped__",
                        helper.compute_rollout_correction_and_add_to_batch)  # verl's own, unpatched
-    theirs, _ = original(batch(), verl_equivalent(cfg))
+    theirs, their_metrics = original(batch(), verl_equivalent(cfg))
     adapter.set_active_config(cfg)
     try:
         ours, metrics = helper.compute_rollout_correction_and_add_to_batch(
@@ -177,7 +202,13 @@ def test_driver_hook_writes_what_verls_own_correction_writes(name):
     torch.testing.assert_close(ours.batch["rollout_is_weights"], theirs.batch["rollout_is_weights"],
                                atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(ours.batch["response_mask"], theirs.batch["response_mask"], atol=0, rtol=0)
-    assert all(k.startswith("rollout_correction/") for k in metrics)
+    # what the driver logs: verl's name where verl's own helper logs the same value, ours (documented) elsewhere
+    shared = {k for k in metrics if k.startswith("rollout_corr/")}
+    assert ALWAYS_VERL | {"rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size"} <= shared
+    assert all(k.startswith(("rollout_corr/", "rollout_correction/")) for k in metrics)
+    for key in shared:
+        assert metrics[key] == pytest.approx(their_metrics[key], abs=ATOL, rel=ATOL), key
+    assert "rollout_corr/kl" not in metrics and "rollout_correction/k1_mean" in metrics
 
 
 def test_k1_single_threshold_means_reciprocal_range_like_verl():

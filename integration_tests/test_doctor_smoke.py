@@ -38,7 +38,7 @@ def run(tmp_path_factory):
 
 def test_table_rows_and_engines(run):
     out, report, plot_path = run
-    for header in ("row", "mean|d|", "max|d|", "kl", "k3_kl", "ess", "clipped", "rej seq", "tok/s", "vs a"):
+    for header in ("row", "mean|d|", "max|d|", "k1_mean", "k3_kl", "ess", "clipped", "rej seq", "tok/s", "vs a"):
         assert header in out.splitlines()[0]
     assert "how each row was produced" in out
     assert [r["row"] for r in report["rows"]] == ROWS

@@ -15,14 +15,12 @@ float32, so some tokens sit on the other side of a routing tie. Checked:
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from rollout_parity.adapters._routing import RoutingReplay, find_routers
 from rollout_parity.core.routing import RouteTable, align_routes, replayed_routing
+from rollout_parity.testing.host_sync import host_syncs
 from rollout_parity.testing.tiny_moe import build_tiny_moe_model
 
 PROMPT, NEW, ROWS = 24, 16, 8
@@ -148,44 +146,6 @@ def test_with_replay_the_trainer_routes_every_token_as_the_engine_did(hf):
     assert with_replay <= without, (float(with_replay), float(without))  # 0.0111 against 0.0119 measured
 
 
-#: Tensor methods that hand a value back to the host. On CUDA each one waits for the device (a sync); on CPU
-#: none does, so counting their calls is the CPU-countable proxy (``torch.cuda.set_sync_debug_mode`` needs a GPU).
-_READBACKS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__", "nonzero")
-
-
-class _CountedReadbacks(TorchFunctionMode):
-    """Counts host read-backs through a torch function mode: the methods above, ``torch.nonzero``/``equal``/
-    ``allclose``, and indexing with a boolean tensor (its result's size is data: also a sync on CUDA). A mode,
-    not patched ``torch.Tensor`` attributes: a ``__getitem__`` once set on ``torch.Tensor`` leaves it a
-    Python-level sequence slot even after it is removed, and ``torch.tensor([t0, t1])`` then calls ``len(t0)``
-    in every later test of the process."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in _READBACKS or name in ("equal", "allclose"):
-            self.count += 1
-        elif name == "__getitem__":
-            parts = args[1] if isinstance(args[1], tuple) else (args[1],)
-            self.count += any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def counted_readbacks():
-    """Count host read-backs while the block runs; yields a one-item list whose value is read after the block."""
-    count = [0]
-    mode = _CountedReadbacks()
-    try:
-        with mode:
-            yield count
-    finally:
-        count[0] = mode.count
-
-
 def test_replay_adds_no_host_sync_and_counts_once_under_gradient_checkpointing():
     from transformers import AutoModelForCausalLM
 
@@ -211,10 +171,10 @@ def test_replay_adds_no_host_sync_and_counts_once_under_gradient_checkpointing()
             model.gradient_checkpointing_enable()
         else:
             model.gradient_checkpointing_disable()
-        with counted_readbacks() as count:
+        with host_syncs() as counts:  # host read-backs: rollout_parity/testing/host_sync.py
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
             logits.float().log_softmax(-1)[..., 7].sum().backward()
-        return count[0]
+        return sum(counts.values())
 
     for checkpointing in (False, True):
         plain = step(checkpointing)  # the model's own read-backs (its expert loop's, ...)

@@ -35,6 +35,7 @@ from integration_tests.support.nemo_harness import (
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
 from rollout_parity.adapters.nemo_rl import (RolloutParityLossFn, check_nemo_rl_vllm_kwargs, correction_from_nemo_rl,
                                             diagnostics, nemo_rl_generation_config)
+from rollout_parity.core.metric_names import nemo_rl_names
 
 pytestmark = [pytest.mark.nemo_rl]
 
@@ -366,8 +367,11 @@ def test_metrics_are_the_global_batch_for_any_microbatching(nemo, name):
     runs = {}
     for mbs in (1, 2, 4, 8):
         _, data, current = shared_data(nemo)
-        total, mb_metrics = train_step(nemo, RolloutParityLossFn(config_for(name), NO_KL), data, mbs)
+        loss_fn = RolloutParityLossFn(config_for(name), NO_KL)
+        total, mb_metrics = train_step(nemo, loss_fn, data, mbs)
         runs[mbs] = (total, current.grad, aggregate(mb_metrics))
+    # where NeMo RL's own loss logs one of our quantities (its gen_kl_error, ...), ours give way to it
+    expected = nemo_rl_names(expected, loss_fn.correction, loss_fn.nemo_settings)
     total8, grad8, metrics8 = runs[8]
     for key, value in expected.items():
         assert metrics8[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -376,6 +380,72 @@ def test_metrics_are_the_global_batch_for_any_microbatching(nemo, name):
         torch.testing.assert_close(grad, grad8, rtol=1e-5, atol=1e-7)
         for key, value in metrics8.items():
             assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (mbs, key)
+
+
+class _CountedLoss:
+    """NeMo RL's loss as the hand-over calls it, with the host reads of its own calls counted apart (a mode inside
+    another: both count a read, so ours are the outer count minus these)."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.calls, self.reads = loss_fn, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        from rollout_parity.testing.host_sync import host_syncs
+
+        self.calls += 1
+        with host_syncs() as counts:
+            result = self.loss_fn(*args, **kwargs)
+        self.reads += sum(counts.values())
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.loss_fn, name)
+
+
+@pytest.mark.parametrize("kind", ["finite", "nonfinite"])
+@pytest.mark.parametrize("flags", ["tis_srs_k3", "k1_k2_rejection_off_policy"])
+def test_the_hand_over_reads_the_device_back_once_per_microbatch(nemo, flags, kind):
+    """Host syncs (counted on CPU, rollout_parity/testing/host_sync.py) of one microbatch's loss call beyond
+    NeMo RL's own loss: one, for our diagnostics, the counts they are scaled by, the loss and the check for
+    non-finite engine logprobs together. With those (``nonfinite``) NeMo RL's loss runs a second time, for
+    finite metrics."""
+    from rollout_parity.testing.host_sync import host_syncs
+
+    ours_fn = ours_from(NEMO_CASES["kl_k3"], FLAG_CASES[flags])
+    data, _ = make_data(nemo, kind)
+    batch, gvs, gvt = global_counts(nemo, data, ours_fn)
+    mb = next(iter(batch.make_microbatch_iterator(4)))
+    theirs = ours_fn.__dict__["nemo_loss_fn"] = _CountedLoss(ours_fn.nemo_loss_fn)
+    with host_syncs() as counts:
+        _, metrics = ours_fn(next_token_logprobs=mb["next_token_logprobs"].detach(), data=mb,
+                             global_valid_seqs=gvs, global_valid_toks=gvt)
+    assert "rollout_correction/nonfinite_frac" in metrics and theirs.reads > 0
+    assert theirs.calls == (2 if kind == "nonfinite" else 1)
+    assert sum(counts.values()) - theirs.reads == 1, (dict(counts), theirs.reads)
+
+
+@pytest.mark.parametrize("kl, ours", [("k3", "k3_kl"), ("k1", "k1_mean")])
+def test_ours_give_way_where_nemos_own_metric_is_the_same_quantity(nemo, kl, ours):
+    """Diagnostics only (no IS mode, nothing removed), NeMo RL's own truncation off, token-level ratios: NeMo RL's
+    ``gen_kl_error`` (its ``reference_policy_kl_type`` estimator) and ``sampling_importance_ratio`` are our
+    ``k3_kl`` / ``k1_mean`` and ``is_weight_mean`` over the same tokens (the core's numbers, ``metrics="local"`` on
+    one microbatch), so ours are left out (core/metric_names.py). With rejection NeMo RL's cover the kept tokens
+    only: they differ, and ours stay."""
+    keys = dict(NO_KL, reference_policy_kl_type=kl)
+    flags = {"log_rollout_offpolicy_metrics": True}
+    _, _, logged = run(nemo, ours_from(keys, flags), "finite")
+    _, _, local = run(nemo, ours_from(keys, flags, metrics="local"), "finite", mbs=8)
+    assert f"rollout_correction/{ours}" not in logged and "rollout_correction/is_weight_mean" not in logged
+    assert "rollout_correction/delta_abs_mean" in logged  # the others stay
+    assert logged["gen_kl_error"] == pytest.approx(local[f"rollout_correction/{ours}"], rel=1e-5, abs=1e-7)
+    assert logged["sampling_importance_ratio"] == pytest.approx(local["rollout_correction/is_weight_mean"],
+                                                                rel=1e-5, abs=1e-7)
+    rejecting = {**flags, "rollout_rejection": ["token_k2"], "rollout_rejection_threshold": 0.02}
+    _, _, kept = run(nemo, ours_from(keys, rejecting), "finite")
+    _, _, kept_local = run(nemo, ours_from(keys, rejecting, metrics="local"), "finite", mbs=8)
+    assert f"rollout_correction/{ours}" in kept
+    assert kept_local["rollout_correction/rejected_token_frac"] > 0
+    assert kept["gen_kl_error"] != pytest.approx(kept_local[f"rollout_correction/{ours}"], rel=1e-3)
 
 
 def test_metric_normalizations_reproduce_the_sync_metrics_in_the_split_step(nemo):

@@ -120,11 +120,13 @@ def _train_one_step(trainer, recorder):
     return [h for h in trainer.state.log_history if "loss" in h][-1]
 
 
-ROLLOUT_METRICS = ("kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
-                   "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
-                   "ess", "is_weight_mean", "clipped_frac", "delta_abs_mean", "delta_abs_max", "rejected_token_frac",
-                   "rejected_seq_frac", "off_policy_masked_frac", "nonfinite_frac", "loss_contrib_pos",
-                   "loss_contrib_neg", "loss_contrib_rollout_pos", "loss_contrib_rollout_neg")
+ROLLOUT_METRICS = ("k1_mean", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl",
+                   "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio",
+                   "chi2_token", "chi2_seq", "ess", "is_weight_mean", "clipped_frac", "rejected_token_frac", "rejected_seq_frac",
+                   "off_policy_masked_frac", "nonfinite_frac", "loss_contrib_pos", "loss_contrib_neg",
+                   "loss_contrib_rollout_pos", "loss_contrib_rollout_neg", "ppo_k1_mean")
+#: Ours under TRL's own names (core/metric_names.py): the mean and max of |log pi_old - log pi_rollout|.
+TRL_NAMED = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
 
 
 def test_metrics_reach_trl_logs(run):
@@ -132,19 +134,20 @@ def test_metrics_reach_trl_logs(run):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and len(recorder.inputs) == 4
     first, second = logs  # one generation window: generated before the first step, reused in the second
-    missing = [k for k in ROLLOUT_METRICS if f"rollout_correction/{k}" not in first]
+    missing = [k for k in ROLLOUT_METRICS if f"rollout_correction/{k}" not in first] + [
+        k for k in TRL_NAMED if k not in first]
     assert not missing, f"not logged: {missing}"
     assert finite(first.values()) and finite(second.values())
     assert first["rollout_correction/rejected_token_frac"] == pytest.approx(1 / 3, abs=0.1)
-    assert first["rollout_correction/delta_abs_mean"] == pytest.approx(sum(map(abs, SHIFTS)) / 3, abs=0.03)
-    # TRL's sampling/* describe our weights (<= UPPER); TRL's clip_ratio/* and KL stay.
+    assert first["sampling/sampling_logp_difference/mean"] == pytest.approx(sum(map(abs, SHIFTS)) / 3, abs=0.03)
+    assert not [k for k in first if k.startswith("rollout_correction/delta_abs")]  # TRL's names carry them
+    # TRL's sampling/importance_sampling_ratio/* describe our weights (<= UPPER); TRL's clip_ratio/* and KL stay.
     assert first["sampling/importance_sampling_ratio/max"] <= UPPER + 1e-6
     assert 0.75 < first["sampling/importance_sampling_ratio/min"] < 0.9
-    assert first["sampling/sampling_logp_difference/mean"] == first["rollout_correction/delta_abs_mean"]
     # Per generation batch vs per micro-step: the pi_theta diagnostics come with every loss.
-    assert not any(k.startswith("sampling/") or k == "rollout_correction/kl" for k in second)
+    assert not any(k.startswith("sampling/") or k == "rollout_correction/k1_mean" for k in second)
     for log in logs:
-        assert {"clip_ratio/region_mean", "kl", "policy/ppo_kl", "rollout_correction/loss_contrib_pos",
+        assert {"clip_ratio/region_mean", "kl", "rollout_correction/ppo_k1_mean", "rollout_correction/loss_contrib_pos",
                 "rollout_correction/off_policy_masked_frac"} <= set(log)
     assert trainer.vllm_importance_sampling_correction is True  # the channel is on
 
@@ -850,7 +853,7 @@ def test_vespo_with_our_flags_through_trls_own_constructor_and_a_step(run, tmp_p
             recorder = Recorder(trainer)
             trainer.train()
         log = [h for h in trainer.state.log_history if "loss" in h][-1]
-        assert math.isfinite(log["loss"]) and "vespo/phi_seq_mean" in log and "rollout_correction/kl" in log
+        assert math.isfinite(log["loss"]) and "vespo/phi_seq_mean" in log and "rollout_correction/k1_mean" in log
         assert recorder.inputs, "TRL's loss saw no batch"
         for inputs in recorder.inputs:
             expected, _ = naive_channels(inputs, UPPER, k3_max=float("inf"))

@@ -63,4 +63,4 @@ def test_grpo_step_with_the_flags(report):
     assert report["rejected"] > 0 and report["rejected_grad_zero"] and report["kept_grad_nonzero"]
     assert report["grads_finite"] and log["grad_norm"] > 0
     assert log["sampling/importance_sampling_ratio/max"] <= 1.5
-    assert {"rollout_correction/kl", "rollout_correction/loss_contrib_pos", "policy/ppo_kl"} <= set(log)
+    assert {"rollout_correction/k1_mean", "rollout_correction/loss_contrib_pos", "rollout_correction/ppo_k1_mean"} <= set(log)

@@ -140,7 +140,7 @@ def test_trl_own_grpo_script_unmodified_with_one_flag(tmp_path):
     assert "Training completed" in proc.stdout + proc.stderr
     log = next(eval(line) for line in proc.stdout.splitlines() if line.startswith("{'loss'"))  # TRL's printed log
     assert float(log["sampling/importance_sampling_ratio/max"]) <= 1.5  # our weights act in TRL's channel
-    assert {"rollout_correction/kl", "rollout_correction/loss_contrib_pos", "policy/ppo_kl"} <= set(log)
+    assert {"rollout_correction/k1_mean", "rollout_correction/loss_contrib_pos", "rollout_correction/ppo_k1_mean"} <= set(log)
     import torch
 
     args = torch.load(out / "training_args.bin", weights_only=False)

@@ -33,6 +33,9 @@ from rollout_parity.core.sync_check import WeightSyncError  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 from rollout_parity.testing.tiny_moe import build_tiny_moe_model  # noqa: E402
 
+#: mean |log pi_old - log pi_rollout| of a step: ours, under TRL's own name for it (docs/metrics.md)
+DELTA = "sampling/sampling_logp_difference/mean"
+
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
 FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_mean_k3"],
@@ -84,8 +87,8 @@ def moe(tmp_path_factory):
 def test_moe_ends_its_steps_within_3x_of_the_dense_model(dense, moe):
     (dense_trainer, dense_error), (moe_trainer, moe_error) = dense, moe
     assert dense_error is None and moe_error is None
-    dense_delta = _steps(dense_trainer, "rollout_correction/delta_abs_mean")
-    moe_delta = _steps(moe_trainer, "rollout_correction/delta_abs_mean")
+    dense_delta = _steps(dense_trainer, DELTA)
+    moe_delta = _steps(moe_trainer, DELTA)
     assert len(dense_delta) == len(moe_delta) == 3
     assert max(moe_delta) < 3 * (sum(dense_delta) / 3), (moe_delta, dense_delta)
     assert max(_steps(moe_trainer, "rollout_correction/rejected_seq_frac")) == 0.0  # nothing dropped wholesale
@@ -169,8 +172,8 @@ def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
     plain, error = _run(tmp_path / "plain", model, max_steps=1, routed_engine=True,  # the same eager engine
                         weight_sync_check_interval=None, **size)
     assert error is None and not plain.vllm_generation.llm.asked_for_routes
-    replayed = _steps(trainer, "rollout_correction/delta_abs_mean")[0]
-    without = _steps(plain, "rollout_correction/delta_abs_mean")[0]
+    replayed = _steps(trainer, DELTA)[0]
+    without = _steps(plain, DELTA)[0]
     print(f"routing replay: {replay.changed} of {replay.replayed} routings changed; step 1 mean |delta| "
           f"{replayed:.4f} with replay, {without:.4f} without")
     assert replayed <= without, (replayed, without)

@@ -80,8 +80,8 @@ def test_grpo_step_in_server_mode_with_the_flags(served):
     trainer, recorder, transfers, *_ = served
     log = [h for h in trainer.state.log_history if "loss" in h][-1]
     assert finite(log.values()) and math.isfinite(log["loss"])
-    assert {"rollout_correction/kl", "rollout_correction/ess", "rollout_correction/loss_contrib_pos",
-            "policy/ppo_kl"} <= set(log)
+    assert {"rollout_correction/k1_mean", "rollout_correction/ess", "rollout_correction/loss_contrib_pos",
+            "rollout_correction/ppo_k1_mean"} <= set(log)
     # Same weights on both sides (generation precedes the first update): parity-level mismatch, weights ~ 1.
     assert log["rollout_correction/log_ppl_abs_diff"] < 0.02
     assert log["sampling/importance_sampling_ratio/max"] <= 1.2

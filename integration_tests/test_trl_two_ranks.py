@@ -9,7 +9,8 @@ all rows runs here, in-process. What must agree:
   reduced by our all-reduced rejection count, divided by the number of processes); for ``grpo``
   because both ranks hold the same number of rows;
 * gradient: the ranks' gradients averaged, as DDP does, equal the one-rank gradient;
-* metrics: ours (``rollout_correction/*``, ``policy/ppo_kl``) and TRL's ``clip_ratio/region_mean``
+* metrics: ours (``rollout_correction/*``, TRL's ``sampling/*`` names where ours carry them) and TRL's
+  ``clip_ratio/region_mean``
   are all-reduced, so every rank logs the global value, the one-rank value.
 """
 
@@ -73,7 +74,7 @@ def test_two_ranks_equal_one_rank(ranks, one_rank, name, loss_type):
     averaged = sum(torch.tensor(h["grad"]) for h in halves) / 2  # DDP's average of the ranks' gradients
     assert torch.allclose(averaged, whole["grad"], atol=1e-6), (averaged - whole["grad"]).abs().max()
     assert whole["grad"].abs().sum() > 0
-    ours = [k for k in whole["metrics"] if k.startswith(("rollout_correction/", "policy/"))]
+    ours = [k for k in whole["metrics"] if k.startswith(("rollout_correction/", "sampling/sampling_logp"))]
     assert len(ours) >= 25 and "rollout_correction/loss_contrib_pos" in ours
     for metric in ours + ["clip_ratio/region_mean"]:
         for half in halves:

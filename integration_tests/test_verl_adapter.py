@@ -42,6 +42,7 @@ from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.adapters._patching import MARK, owner_and_name  # noqa: E402
 from rollout_parity.adapters.verl import actor, patches  # noqa: E402
 from rollout_parity.adapters.verl.compat import has_v1_trainer  # noqa: E402
+from rollout_parity.core.metric_names import verl_names  # noqa: E402
 from rollout_parity.core.sampler import SamplerSettings  # noqa: E402
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
 
@@ -54,9 +55,9 @@ pytestmark = [pytest.mark.verl]
 
 ATOL = 1e-6
 REPO = Path(__file__).resolve().parents[1]
-#: The core's policy metrics and where a verl run logs them: ppo_kl is ours (verl's formula over the tokens the
-#: loss kept, for every loss mode); the clip fractions are verl's loss's own, computed over the mask we hand it.
-LOSS_METRICS = {"policy/ppo_kl": "policy/ppo_kl", "policy/pg_clipfrac": "actor/pg_clipfrac",
+#: The core's policy metrics and where a verl run logs them: verl's loss's own metrics of the same formula
+#: (``actor/ppo_kl``, the clip fractions), computed over the mask we hand it; we never repeat them.
+LOSS_METRICS = {"policy/ppo_k1_mean": "actor/ppo_kl", "policy/pg_clipfrac": "actor/pg_clipfrac",
                 "policy/pg_clipfrac_lower": "actor/pg_clipfrac_lower"}
 
 
@@ -620,9 +621,11 @@ def test_shared_batch_decoupled_matches_the_core(name, actor_config, flags):
     metrics = {**driver_metrics, **{k: v for k, v in loss_metrics.items()
                                     if not k.startswith("actor/") or k in LOSS_METRICS.values()}}
     expected = {LOSS_METRICS.get(k, k): v for k, v in ref["metrics"].items() if k not in NOT_IN_VERL_DECOUPLED}
-    expected["policy/nonfinite_frac"] = 0.0  # the loss's own inputs (pi_old, pi_theta) are finite here
+    expected = verl_names(expected, cfg)  # verl's rollout_corr/* names where verl has the formula
+    expected["rollout_correction/loss_nonfinite_frac"] = 0.0  # the loss's own inputs (pi_old, pi_theta) are finite
     if not cfg.wants_metrics:
-        expected = {k: v for k, v in expected.items() if not k.startswith("rollout_correction/")}
+        expected = {k: v for k, v in expected.items() if not k.startswith(("rollout_correction/", "rollout_corr/"))}
+        expected["rollout_correction/loss_nonfinite_frac"] = 0.0
     else:
         # C(r_ppo^train) = -(pi_theta/pi_old - 1) A (paper eq. 5) over the tokens the loss sees: naive reference.
         seen = ref["mask"].bool()
@@ -633,8 +636,8 @@ def test_shared_batch_decoupled_matches_the_core(name, actor_config, flags):
     assert set(metrics) == set(expected)
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, abs=ATOL, rel=ATOL), key
-    # verl's own vanilla ppo_kl is there too, and ours means the same
-    assert loss_metrics["actor/ppo_kl"] == pytest.approx(metrics["policy/ppo_kl"], abs=ATOL)
+    # verl's own vanilla ppo_kl is the core's ppo_k1_mean; we log no copy of it
+    assert not [k for k in loss_metrics if k.endswith("ppo_k1_mean") or k.startswith("policy/")]
 
 
 def test_shared_batch_off_policy_mask_in_decoupled_verl_uses_pi_old_as_behaviour(actor_config, flags):
@@ -716,14 +719,16 @@ def test_shared_batch_bypass_matches_the_core(name, actor_config, flags):
         for sign, key in ((1, "pos"), (-1, "neg")):
             value = (contrib * (sign * batch.advantages[:, None] > 0)).sum().item() / seen.sum().item()
             ref_metrics[f"rollout_correction/loss_contrib_{key}"] = value
-    shared = [k for k in ref_metrics if k.startswith("rollout_correction/") and k in metrics]
-    assert "rollout_correction/kl" in shared and "rollout_correction/loss_contrib_pos" in shared
+    ref_metrics = verl_names(ref_metrics, cfg)  # verl's rollout_corr/* names where verl has the formula
+    shared = [k for k in ref_metrics if k.startswith(("rollout_correction/", "rollout_corr/")) and k in metrics]
+    assert {"rollout_correction/k1_mean", "rollout_corr/k3_kl", "rollout_correction/loss_contrib_pos"} <= set(shared)
     for key in shared:
         assert metrics[key] == pytest.approx(ref_metrics[key], abs=ATOL, rel=ATOL), key
     # the engine's NaN / -inf reached the PPO ratio as pi_old: neutral, and counted among the loss's tokens
     given = mask.bool()
     bad = (given & ~torch.isfinite(batch.rollout_logprobs)).sum().item()
-    assert bad > 0 and metrics["policy/nonfinite_frac"] == pytest.approx(bad / given.sum().item(), abs=ATOL)
+    assert bad > 0 and metrics["rollout_correction/loss_nonfinite_frac"] == pytest.approx(bad / given.sum().item(),
+                                                                                            abs=ATOL)
 
 
 # ============================================================================= fp32 lm_head hook
@@ -1040,7 +1045,7 @@ def test_verls_v1_driver_step_runs_our_correction_before_grpo():
     assert result["mask_equal"] and result["weights_max_diff"] < 1e-6
     assert result["rejected_rows"] == [1, 6]
     assert result["adv_max_diff"] < 1e-5  # GRPO over the kept siblings only
-    assert result["metrics_equal"] and "rollout_correction/rejected_seq_frac" in result["metric_keys"]
+    assert result["metrics_equal"] and "rollout_corr/rollout_rs_seq_masked_fraction" in result["metric_keys"]
     assert result["sampler_old_used"]  # r_corr read pi_old's processed view from the TransferQueue
     bypass = _driver_step("bypass")
     assert bypass["mask_equal"] and bypass["rejected_rows"] and bypass["adv_max_diff"] < 1e-5
@@ -1057,7 +1062,7 @@ def test_verl_08s_main_ppo_sync_driver_step_runs_our_correction_before_grpo():
     assert result["mask_equal"] and result["weights_max_diff"] < 1e-6
     assert result["rejected_rows"] == [1, 6]
     assert result["adv_max_diff"] < 1e-5  # GRPO over the kept siblings only
-    assert result["metrics_equal"] and "rollout_correction/rejected_seq_frac" in result["metric_keys"]
+    assert result["metrics_equal"] and "rollout_corr/rollout_rs_seq_masked_fraction" in result["metric_keys"]
 
 
 # ============================================================================= packaging

@@ -99,7 +99,7 @@ def test_an_all_rejected_batch_is_a_zero_loss_that_backpropagates(actor_config, 
     p = proto(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, token_level_rewards=rewards, uid=uid)
     p, driver_metrics = helper.compute_rollout_correction_and_add_to_batch(p, NO_CORRECTION)
     mask = p.batch["response_mask"]
-    assert mask.sum() == 0 and driver_metrics["rollout_correction/rejected_seq_frac"] == 1.0
+    assert mask.sum() == 0 and driver_metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == 1.0
     p = compute_advantage(p, adv_estimator="grpo", num_repeat=4)  # verl's GRPO on the emptied batch
     adv = p.batch["advantages"]
     assert torch.isfinite(adv).all() and adv.abs().max() == 0
@@ -187,9 +187,15 @@ def test_nan_and_inf_logprobs_never_reach_loss_gradient_or_metrics(actor_config,
     bad = [k for k, v in every.items() if not math.isfinite(float(v))]
     assert not bad, bad
     # counted: a non-finite logprob on a valid token shows up in a nonfinite count
-    valid = mask.bool()
-    read = [rollout, current] if name == "bypass_in_loss" else [old, rollout, current]  # verl's bypass drops pi_old
-    poisoned_valid = valid & ~torch.stack([torch.isfinite(t) for t in read]).all(0)
+    # The driver reads pi_old and pi_rollout on every valid token; the loss reads pi_theta only on the tokens left
+    # in its mask (a sequence the driver rejected is never read: no count for its pi_theta). verl's bypass switch
+    # has no driver: the loss reads pi_rollout (as pi_old) and pi_theta.
+    valid, in_loss = mask.bool(), loss_mask.bool()
+    if name == "bypass_in_loss":
+        poisoned_valid = valid & ~(torch.isfinite(rollout) & torch.isfinite(current))
+    else:
+        poisoned_valid = (valid & ~(torch.isfinite(old) & torch.isfinite(rollout))) | (in_loss & ~torch.isfinite(current))
     if poisoned_valid.any():
-        counts = driver_metrics.get("rollout_correction/nonfinite_frac", 0.0) + metrics["policy/nonfinite_frac"]
+        counts = (driver_metrics.get("rollout_correction/nonfinite_frac", 0.0)
+                  + metrics["rollout_correction/loss_nonfinite_frac"])
         assert counts > 0, (name, mode, every)

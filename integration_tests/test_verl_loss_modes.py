@@ -79,12 +79,34 @@ def test_every_verl_loss_runs_on_our_weights_and_mask(loss_mode, name, actor_con
     assert grad[seen].abs().max() > 0, "the loss trained nothing"
     if cfg.rollout_rejection is not None:
         assert mask.sum() < batch.response_mask.sum(), "this configuration should reject on the shared batch"
-    assert "policy/ppo_kl" in metrics and "policy/pg_clipfrac" not in metrics  # clip fractions: the loss's own
+    assert "rollout_correction/loss_nonfinite_frac" in metrics  # ours; clip fractions and ppo_kl: the loss's own
+    assert not [k for k in metrics if k.startswith("policy/")]
+    assert ("rollout_correction/ppo_k1_mean" in metrics) is ("actor/ppo_kl" not in metrics)  # never beside verl's
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
 
     # the wrapper adds nothing to the loss: verl's own function on the same (narrowed) mask
     their_loss, their_grad, _ = call_verl_loss(original, actor_config, batch, seen, weights)
     assert torch.equal(loss, their_loss) and torch.equal(grad, their_grad)
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gpg"])
+def test_the_wrapper_reads_the_device_back_once_per_micro_batch(loss_mode, actor_config, flags):
+    """Host syncs (counted on CPU, rollout_parity/testing/host_sync.py) of the wrapped loss beyond verl's own
+    loss on the same mask: one, for the side correction's diagnostics, the empty-mask check and every
+    policy-side sum together (three before: one each; seven before that: one per count)."""
+    from rollout_parity.testing.host_sync import host_syncs
+
+    flags(config_for("off_policy_mask"))
+    batch = make_shared_batch()
+    mask, weights = driver(batch, batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
+    with host_syncs() as ours:
+        _, _, metrics = call_verl_loss(core_algos.get_policy_loss_fn(loss_mode), actor_config, batch, mask, weights)
+    with host_syncs() as theirs:
+        call_verl_loss(core_algos.POLICY_LOSS_REGISTRY[loss_mode], actor_config, batch, mask, weights)
+    assert sum(ours.values()) - sum(theirs.values()) == 1, (dict(ours), dict(theirs))
+    assert {"rollout_correction/loss_nonfinite_frac", "rollout_correction/off_policy_masked_frac",
+            "rollout_correction/loss_contrib_pos"} <= set(metrics)
+    assert ("rollout_correction/ppo_k1_mean" in metrics) is (loss_mode == "gpg")
 
 
 def verl_expressible(name):
@@ -139,10 +161,10 @@ def _naive_clip_fractions(mode, old, cur, adv, kept, low, high, c=3.0):
 def test_policy_metrics_through_verls_ppo_loss_mean_what_verls_mean(mode, flags):
     """verl's own ``ppo_loss`` on a micro-batch after rejection, with clip_ratio_low=0.05 != clip_ratio_high=0.3.
 
-    ``policy/ppo_kl`` is verl's ``actor/ppo_kl``: the mean of -log r over the tokens the loss kept, not a sum over
-    them divided by the rollout's token count (what it was: half of verl's value when half was rejected). The clip
-    fractions are the loss's own (gspo: its sequence ratio), with the asymmetric range; no token-level copy of ours
-    stands beside them. Naive references for each.
+    verl's ``actor/ppo_kl`` is the mean of -log r over the tokens the loss kept (once it was a sum over them divided
+    by the rollout's token count: half of verl's value when half was rejected). The clip fractions are the loss's
+    own (gspo: its sequence ratio), with the asymmetric range; no copy of ours stands beside either (each was
+    once logged twice). Naive references for each.
     """
     from verl.workers.utils.losses import ppo_loss
 
@@ -167,8 +189,8 @@ def test_policy_metrics_through_verls_ppo_loss_mean_what_verls_mean(mode, flags)
     assert torch.isfinite(old[kept]).all() and torch.isfinite(cur[kept]).all()
     log_r = (cur - old).clamp(-20.0, 20.0)
     ppo_kl = (-log_r)[kept].mean().item()
-    assert logged["policy/ppo_kl"] == pytest.approx(ppo_kl, abs=1e-6)
-    assert logged["policy/ppo_kl"] == pytest.approx(logged["actor/ppo_kl"], abs=1e-6)
+    assert logged["actor/ppo_kl"] == pytest.approx(ppo_kl, abs=1e-6)
+    assert not [k for k in logged if k.endswith("ppo_k1_mean") or k.startswith("policy/")]
     before_fix = (-log_r)[kept].sum().item() / info["batch_num_tokens"]
     assert abs(before_fix - ppo_kl) > 0.05 * abs(ppo_kl)
 
@@ -177,14 +199,14 @@ def test_policy_metrics_through_verls_ppo_loss_mean_what_verls_mean(mode, flags)
     assert logged["actor/pg_clipfrac_lower"] == pytest.approx(lower, abs=1e-6)
     symmetric, _ = _naive_clip_fractions(mode, old, cur, advantages, kept, low=0.2, high=0.2)
     assert abs(symmetric - frac) > 1e-3, "the batch does not tell the asymmetric range from the default one"
-    assert not {"policy/pg_clipfrac", "policy/pg_clipfrac_lower"} & set(logged)
 
 
 @pytest.mark.parametrize("mode, clamped, own", [("vanilla", True, True), ("gspo", False, True), ("gpg", True, False)])
 def test_ppo_kl_is_each_losss_own_and_vanillas_where_a_loss_has_none(mode, clamped, own, flags, actor_config):
     """A kept token 30 nats off: verl's vanilla clamps log r to +-20 in its actor/ppo_kl, gspo does not, and gpg
-    reports none. ``policy/ppo_kl`` is the loss's own number where it has one (seen in a real main_ppo run, where
-    gspo's unclamped value differed from a clamped copy), and vanilla's clamped mean over the kept tokens where not."""
+    reports none. Where the loss has its own number (seen in a real main_ppo run, where gspo's unclamped value
+    differed from a clamped copy) we add nothing; where not, ``rollout_correction/ppo_k1_mean`` is vanilla's clamped
+    mean over the kept tokens."""
     flags(CorrectionConfig(log_rollout_offpolicy_metrics=True))
     batch = make_shared_batch()
     mask = batch.response_mask.clone()
@@ -199,9 +221,9 @@ def test_ppo_kl_is_each_losss_own_and_vanillas_where_a_loss_has_none(mode, clamp
                          response_mask=mask.bool(), loss_agg_mode="token-mean", config=config)
     log_r = (batch.current_logprobs - old).clamp(-20.0, 20.0) if clamped else batch.current_logprobs - old
     expected = (-log_r)[mask.bool()].mean().item()
-    assert metrics["policy/ppo_kl"] == pytest.approx(expected, rel=1e-5)
     assert ("actor/ppo_kl" in metrics) is own
-    if own:
-        assert metrics["policy/ppo_kl"] == pytest.approx(float(metrics["actor/ppo_kl"]), rel=1e-6)
+    assert ("rollout_correction/ppo_k1_mean" in metrics) is not own
+    logged = metrics["actor/ppo_kl" if own else "rollout_correction/ppo_k1_mean"]
+    assert float(logged) == pytest.approx(expected, rel=1e-5)
     unclamped = (-(batch.current_logprobs - old))[mask.bool()].mean().item()
     assert (abs(unclamped - expected) > 1e-3) is clamped  # the batch tells the two formulas apart

@@ -346,7 +346,7 @@ def naive_metrics(raw_flags, old, rollout, mask, corr: Naive, advantages=None, c
             c["rollout_" + sign] += -(r_roll - 1.0) * a
 
     m = {
-        "kl": tok_mean(-lr[k] for k in valid),
+        "k1_mean": tok_mean(-lr[k] for k in valid),
         "k3_kl": tok_mean(K("k3", lr[k]) for k in valid),
         "training_ppl": ppl_mean([math.exp(-x) for x in train_lp], 1.0),
         "training_log_ppl": ppl_mean([-x for x in train_lp], 0.0),
@@ -449,7 +449,7 @@ def naive_ppo(current, old, adv, weights, keep, eps_low, eps_high, clip_c=None, 
         loss += value * scale
         grad[i][t] = d * scale
     N = max(n_tok, 1)
-    metrics = {"policy/pg_clipfrac": clipped / N, "policy/ppo_kl": kl / N, "policy/pg_clipfrac_lower": dual / N}
+    metrics = {"policy/pg_clipfrac": clipped / N, "policy/ppo_k1_mean": kl / N, "policy/pg_clipfrac_lower": dual / N}
     return loss, grad, metrics
 
 

@@ -177,7 +177,7 @@ def test_sequence_mask_dropping_every_sequence_gives_zero_loss():
 
 @pytest.mark.parametrize("where", ["current", "old"])
 def test_nan_logprobs_on_padding_do_not_poison_loss_gradient_or_metrics(where):
-    """The reported bug: NaN π_θ on padding made policy/ppo_kl NaN while loss and gradient were finite."""
+    """The reported bug: NaN π_θ on padding made the loss metric policy/ppo_k1_mean NaN while loss and gradient were finite."""
     cfg = CorrectionConfig(log_rollout_offpolicy_metrics=True)
     old, rollout, mask, adv = batch()
     mask[:, 3:] = 0
@@ -194,7 +194,7 @@ def test_nan_logprobs_on_padding_do_not_poison_loss_gradient_or_metrics(where):
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert torch.isfinite(current.grad).all() and (current.grad[:, 3:] == 0).all()
     assert loss.item() == pytest.approx(clean_loss.item())
-    assert metrics["policy/ppo_kl"] == pytest.approx(clean_metrics["policy/ppo_kl"])
+    assert metrics["policy/ppo_k1_mean"] == pytest.approx(clean_metrics["policy/ppo_k1_mean"])
     assert metrics["rollout_correction/nonfinite_frac"] == 0.0  # padding is not counted
 
 

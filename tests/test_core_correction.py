@@ -384,5 +384,5 @@ def test_policy_loss_without_metrics_returns_the_same_loss_and_no_metrics():
     loss, metrics = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
     quiet, none = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out,
                               with_metrics=False)
-    assert none == {} and "policy/pg_clipfrac" in metrics and "rollout_correction/kl" in metrics
+    assert none == {} and "policy/pg_clipfrac" in metrics and "rollout_correction/k1_mean" in metrics
     assert torch.equal(quiet, loss)

@@ -52,7 +52,7 @@ def test_on_policy_is_the_identity(batch, mode, reduction, rejection, upper, low
         assert torch.equal(out.weights, mask)  # 1 on every valid token, 0 on padding
     assert torch.equal(out.mask, mask)  # nothing rejected, nothing masked
     m = out.metrics
-    assert m["rollout_correction/kl"] == 0.0 and m["rollout_correction/k3_kl"] == 0.0
+    assert m["rollout_correction/k1_mean"] == 0.0 and m["rollout_correction/k3_kl"] == 0.0
     assert m["rollout_correction/ess"] == pytest.approx(1.0)
     assert m["rollout_correction/clipped_frac"] == 0.0 and m["rollout_correction/rejected_token_frac"] == 0.0
 

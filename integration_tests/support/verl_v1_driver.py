@@ -70,6 +70,7 @@ def main(case: str) -> dict:
     from omegaconf import OmegaConf
 
     from rollout_parity import CorrectionConfig, compute_correction
+    from rollout_parity.core.metric_names import verl_names
     from rollout_parity.adapters import verl as adapter
     from rollout_parity.adapters._patching import MARK
     from rollout_parity.core.sampler import SamplerSettings
@@ -150,7 +151,9 @@ def main(case: str) -> dict:
         "mask_equal": torch.equal(padded("response_mask").float(), core.mask),
         "adv_max_diff": (padded("advantages") - expected_adv).abs().max().item(),
         "rejected_rows": (~kept).nonzero().flatten().tolist(),
-        "metrics_equal": all(abs(metrics[k] - v) <= 1e-6 for k, v in core.metrics.items() if k in metrics),
+        # the driver logs the core's values under verl's rollout_corr/* names where verl has the formula
+        "metrics_equal": all(abs(metrics[k] - v) <= 1e-6 for k, v in verl_names(core.metrics, cfg).items()
+                             if k in metrics),
         "metric_keys": sorted(metrics),
     }
     if case == "bypass":

@@ -20,6 +20,7 @@ import torch
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
 from rollout_parity.check.report import Check, FrameworkReport, corrupt
 from rollout_parity.check.shared_batch import B, T, all_config_names, config_for, load_expected, make_shared_batch
+from rollout_parity.core.metric_names import trl_names
 
 __all__ = ["TRL_CHECKS", "AGGREGATION", "core_with_trl_denominators", "run_trl_checks"]
 
@@ -127,14 +128,16 @@ def run_trl_checks(report: FrameworkReport, tick: Callable[[], None] = lambda: N
 
 
 def _metrics(check: Check, name: str, cfg: Any, logged: dict, expected: dict) -> None:
-    keys = [k for k in expected["metrics"] if k.startswith("rollout_correction/")]
-    missing = sorted(set(keys) - set(logged))
+    # ours under TRL's names where TRL has the quantity (sampling/sampling_logp_difference/*)
+    want = trl_names({k: v for k, v in expected["metrics"].items() if k.startswith("rollout_correction/")}, cfg)
+    missing = sorted(set(want) - set(logged))
     check.expect(name, not missing, f"TRL logged no {missing}")
-    for key in keys:
+    for key, value in want.items():
         if key in logged:
-            check.close(name, key, logged[key], expected["metrics"][key], atol=TOL, rtol=1e-5)
+            check.close(name, key, logged[key], value, atol=TOL, rtol=1e-5)
     if cfg.off_policy_sequence_mask_delta is None:  # TRL's mask keeps masked sequences in its metric means
-        check.close(name, "policy/ppo_kl", logged.get("policy/ppo_kl", math.nan), expected["metrics"]["policy/ppo_kl"])
+        check.close(name, "rollout_correction/ppo_k1_mean", logged.get("rollout_correction/ppo_k1_mean", math.nan),
+                    expected["metrics"]["policy/ppo_k1_mean"])
         # TRL's own clip fraction (its region rule) equals the core's on the same tokens
         check.close(name, "clip_ratio/region_mean", logged.get("clip_ratio/region_mean", math.nan),
                     expected["metrics"]["policy/pg_clipfrac"])

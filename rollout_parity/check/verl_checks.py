@@ -21,6 +21,7 @@ import torch
 
 from rollout_parity.check.report import Check, FrameworkReport, corrupt
 from rollout_parity.check.shared_batch import all_config_names, config_for, load_expected, make_shared_batch
+from rollout_parity.core.metric_names import verl_names
 
 __all__ = ["VERL_CHECKS", "VERL_OWN", "BASE_OVERRIDES", "compose_verl", "actor_config", "run_verl_checks"]
 
@@ -138,7 +139,8 @@ def _check_driver(check, name, cfg, batch, mask, weights, metrics, expected, com
         if weights is not None:
             check.close(name, "rollout_is_weights", corrupt("verl/driver", weights, mask), want_weights, rtol=1e-6)
     if cfg.wants_metrics:
-        check.expect(name, "rollout_correction/kl" in metrics, "no rollout_correction/kl among the driver's metrics")
+        check.expect(name, "rollout_corr/k3_kl" in metrics, "no rollout_corr/k3_kl among the driver's metrics")
+    want_metrics = verl_names(want_metrics, cfg)  # verl's names where verl has the same formula
     for key, value in metrics.items():
         if key in want_metrics:
             check.close(name, key, value, want_metrics[key], rtol=1e-5)
@@ -156,14 +158,15 @@ def _check_mode(check, name, mode, cfg, batch, actor, mask, weights, core_algos)
         seen = seen & ~((drift > cfg.off_policy_sequence_mask_delta) & (batch.advantages < 0))[:, None]
     check.expect(case, bool(grad[~seen].abs().max() == 0), "a removed token received gradient")
     check.expect(case, bool(grad[seen].abs().max() > 0), "the loss trained nothing")
-    check.expect(case, "policy/ppo_kl" in metrics, "our policy metrics are missing")
-    if "policy/ppo_kl" in metrics:  # verl's actor/ppo_kl: the loss's own where it has one, else vanilla's
+    check.expect(case, "rollout_correction/loss_nonfinite_frac" in metrics, "our policy metrics are missing")
+    ours = metrics.get("rollout_correction/ppo_k1_mean")
+    if "actor/ppo_kl" in metrics:  # the loss's own: not logged twice
+        check.expect(case, ours is None, "rollout_correction/ppo_k1_mean beside the loss's own actor/ppo_kl")
+    else:  # a loss without one: vanilla's formula over the kept tokens
         log_r = (batch.current_logprobs.detach() - batch.old_logprobs).clamp(-20.0, 20.0)
-        want = float(metrics["actor/ppo_kl"]) if "actor/ppo_kl" in metrics \
-            else float((-log_r * seen).sum() / seen.sum().clamp_min(1))
-        ours = float(metrics["policy/ppo_kl"])
-        check.expect(case, abs(ours - want) <= 1e-5 * max(1.0, abs(want)),
-                     f"policy/ppo_kl {ours:.6g} is not verl's actor/ppo_kl over the kept tokens ({want:.6g})")
+        want = float((-log_r * seen).sum() / seen.sum().clamp_min(1))
+        check.expect(case, ours is not None and abs(float(ours) - want) <= 1e-5 * max(1.0, abs(want)),
+                     f"rollout_correction/ppo_k1_mean {ours} is not vanilla's ppo_kl over the kept tokens ({want:.6g})")
     their_loss, their_grad, _ = call_verl_loss(original, actor, batch, seen, weights)
     check.close(case, "loss vs verl's unwrapped", loss, their_loss, atol=0.0)
     check.close(case, "gradient vs verl's unwrapped", grad, their_grad, atol=0.0)

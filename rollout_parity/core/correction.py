@@ -14,15 +14,15 @@ Weights are detached: they change the measure, not the objective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .config import CorrectionConfig, RejectionRule
-from .metrics import correction_metrics
-from .ratios import (TokenStats, check_shapes, compute_dtype, nonfinite_mask, sanitized_log_ratio,
+from .metrics import PREFIX, correction_metric_values, finish_correction_metrics
+from .ratios import (TokenStats, check_shapes, compute_dtype, sanitized_log_ratio,
                      zero_padding_advantages)
 
 
@@ -39,6 +39,10 @@ class CorrectionOutput:
     ``nonfinite`` are float 0/1 ``(B, T)`` masks of the valid tokens they name (``nonfinite``:
     a logprob the correction read, π_old, π_rollout or π_θ, is NaN or ±inf);
     ``off_policy_masked`` is a bool ``(B,)``.
+
+    With ``compute_correction(..., defer_metrics=True)`` the diagnostics stay on the device:
+    ``metrics`` is empty and ``pending_metrics`` is a float64 vector; ``finish_metrics(values)``
+    names its values once read back, so a caller with values of its own reads all in one transfer.
     """
 
     weights: torch.Tensor
@@ -50,55 +54,64 @@ class CorrectionOutput:
     rejected: Optional[torch.Tensor] = None
     off_policy_masked: Optional[torch.Tensor] = None
     nonfinite: Optional[torch.Tensor] = None
+    pending_metrics: Optional[torch.Tensor] = None
+    _finish: Optional[Callable[[Sequence[float]], dict[str, float]]] = field(default=None, repr=False)
 
-
-def _inside(values: torch.Tensor, lower: Optional[float], upper: float) -> torch.Tensor:
-    """1.0 where ``lower <= values <= upper`` (``lower`` None: no lower bound), else 0.0."""
-    inside = values <= upper
-    if lower is not None:
-        inside &= values >= lower
-    return inside.to(values.dtype)
+    def finish_metrics(self, values: Sequence[float]) -> dict[str, float]:
+        """The diagnostics named, from ``values`` = ``pending_metrics`` read back (``{}`` when none are pending)."""
+        return {} if self._finish is None else self._finish(values)
 
 
 def importance_weights(
-    cfg: CorrectionConfig, stats: TokenStats, seq_log_ratio: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """IS weights of the four modes and a float mask of the tokens they truncated or zeroed.
+    cfg: CorrectionConfig, stats: TokenStats, seq_log_ratio: torch.Tensor, count_clipped: bool = False
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """IS weights of the four modes and, with ``count_clipped``, how many valid tokens they truncated or zeroed.
 
     ``token_truncate``: ``w_t = min(r_t, C)`` (and ``max(·, lower)`` when a lower bound is set).
     ``token_mask``: ``w_t = r_t`` inside ``[lower, C]``, else 0.
     ``sequence_truncate``: ``w = min(ρ_seq, C)`` (and ``max(·, lower)``), broadcast.
     ``sequence_mask``: 0 on every token of a sequence with ρ_seq outside ``[lower, C]``;
     kept tokens get ``r_t`` (``sequence_mask_weight='token'``) or ``ρ_seq`` (``'sequence'``).
-    Padding gets weight 0.
+    Padding gets weight 0. The count (a 0-d tensor, None without ``count_clipped``) feeds
+    ``clipped_frac``; no per-token mask of it is kept.
     """
     mode = cfg.rollout_importance_sampling_mode
     upper = cfg.rollout_importance_sampling_threshold
     lower = cfg.rollout_importance_sampling_threshold_lower
     valid_f = stats.valid_f
-    if mode == "token_truncate":
+    # Padding has r = 1: inside the bounds unless they exclude 1, and then it must not be counted.
+    one_outside = upper < 1.0 or (lower is not None and lower > 1.0)
+    if mode in ("token_truncate", "token_mask"):
         ratio = stats.ratio
-        weights = ratio.clamp(min=lower, max=upper)
-        # sign(|r - clamp(r)|) is 1 exactly where the clamp moved r: a float pass, not a bool mask.
-        clipped = (ratio - weights).abs_().sign_().mul_(valid_f)
-        return weights.mul_(valid_f), clipped
-    if mode == "token_mask":
-        inside = _inside(stats.ratio, lower, upper).mul_(valid_f)
-        return stats.ratio * inside, valid_f - inside
+        bounded = ratio.clamp(min=lower, max=upper)
+        if mode == "token_truncate":
+            clipped = None
+            if count_clipped:  # r - clamp(r) is nonzero exactly where the clamp moved r
+                moved = torch.sub(ratio, bounded, out=stats.scratch)
+                clipped = torch.count_nonzero(moved.mul_(valid_f) if one_outside else moved)
+            return bounded.mul_(valid_f), clipped
+        # sign(|r - clamp(r)|) is 1 exactly where the clamp moved r: float passes, not a bool mask.
+        moved = torch.sub(ratio, bounded, out=stats.scratch).abs_().sign_()
+        if one_outside:
+            moved.mul_(valid_f)
+        clipped = moved.sum() if count_clipped else None
+        # r where the clamp left it, 0 where it moved it: r·valid − r·valid·moved, exact in both cases.
+        weights = torch.mul(ratio, valid_f, out=bounded)
+        return weights.addcmul_(weights, moved, value=-1.0), clipped
 
     rho = seq_log_ratio.exp()
+    kept = rho.clamp(min=lower, max=upper)
+    seq_clipped = (rho - kept).abs_().sign_()  # 1 where the clamp moved ρ_seq (B,)
     if mode == "sequence_truncate":
-        kept = rho.clamp(min=lower, max=upper)
-        seq_clipped = (rho - kept).abs_().sign_()
         weights = valid_f * kept.unsqueeze(-1)
     else:
-        seq_inside = _inside(rho, lower, upper)
-        seq_clipped = 1.0 - seq_inside
+        seq_inside = 1.0 - seq_clipped
         if cfg.rollout_importance_sampling_sequence_mask_weight == "sequence":
             weights = valid_f * (rho * seq_inside).unsqueeze(-1)
         else:
-            weights = stats.ratio * (valid_f * seq_inside.unsqueeze(-1))
-    return weights, valid_f * seq_clipped.unsqueeze(-1)
+            weights = torch.mul(valid_f, seq_inside.unsqueeze(-1)).mul_(stats.ratio)
+    clipped = torch.dot(stats.tokens_per_seq, seq_clipped) if count_clipped else None
+    return weights, clipped
 
 
 def rejection_keep(rules: tuple[RejectionRule, ...], stats: TokenStats) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -150,6 +163,7 @@ def compute_correction(
     current_logprobs: Optional[torch.Tensor] = None,
     process_group: Any = None,
     with_metrics: Optional[bool] = None,
+    defer_metrics: bool = False,
 ) -> CorrectionOutput:
     """Weights, mask and diagnostics for one batch (docs/flags.md).
 
@@ -165,6 +179,8 @@ def compute_correction(
         process_group: a ``torch.distributed`` group: metric sums and counts are
             all-reduced over it, so diagnostics are global, not per rank.
         with_metrics: force diagnostics on or off; default ``cfg.wants_metrics``.
+        defer_metrics: leave the diagnostics on the device (``pending_metrics``, named by
+            ``finish_metrics``) instead of reading them back here: no host sync in this call.
 
     Returns:
         ``CorrectionOutput`` with ``weights`` (1 where no IS mode is set), ``mask`` (the
@@ -211,27 +227,32 @@ def compute_correction(
         log_ratio, nonfinite = sanitized_log_ratio(base, rollout_logprobs, valid_f)
     else:
         log_ratio, nonfinite = torch.zeros_like(valid_f), torch.zeros_like(valid_f)
+    stats = TokenStats(log_ratio, valid_f, nonfinite)
     # Beyond r_corr's two logprobs the correction reads π_θ (diagnostics, off-policy mask) and,
     # without rollout logprobs, π_old for the off-policy mask: a non-finite one there is neutral
-    # (drift 0, no C(r)) and counted too.
+    # (drift 0, no C(r)) and counted too. π_θ − π_old is non-finite exactly where either is, and
+    # C(r) needs that very difference: one tensor serves both.
     delta_on = cfg.off_policy_sequence_mask_delta is not None
-    read_nonfinite = nonfinite
-    also_read = []
-    if current_logprobs is not None and not bypass and (want_metrics or delta_on):
-        also_read.append(current_logprobs)
-    if rollout_logprobs is None and old_logprobs is not None and delta_on:
-        also_read.append(old_logprobs)
-    for values in also_read:
-        read_nonfinite = torch.maximum(read_nonfinite, nonfinite_mask(values, valid_f))
-    stats = TokenStats(log_ratio, valid_f, nonfinite, read_nonfinite)
+    metrics_on = want_metrics and rollout_logprobs is not None
+    if metrics_on:
+        stats.finite_f  # noqa: B018 - the perplexities need it; built first, the clean mask below reuses it
+    reads_current = current_logprobs is not None and not bypass and (want_metrics or delta_on)
+    reads_old = rollout_logprobs is None and old_logprobs is not None and delta_on
+    if reads_current and old_logprobs is not None:
+        stats.read_also(current_logprobs.detach().to(dtype) - old_logprobs.detach().to(dtype), ppo_log_ratio=True)
+    else:
+        for values, read in ((current_logprobs, reads_current), (old_logprobs, reads_old)):
+            if read:
+                stats.read_also(values)
     if advantages is not None and (want_metrics or delta_on):
-        advantages = zero_padding_advantages(advantages.detach(), valid_f)
+        advantages = zero_padding_advantages(advantages.detach(), valid_f, stats.tokens_per_seq)
     seq_lr = stats.sequence_log_ratio(cfg.rollout_importance_sampling_sequence_reduction)
 
+    clipped = None
     if cfg.rollout_importance_sampling_mode is not None:
-        weights, clipped = importance_weights(cfg, stats, seq_lr)
+        weights, clipped = importance_weights(cfg, stats, seq_lr, count_clipped=metrics_on)
     else:
-        weights, clipped = torch.ones_like(valid_f), None
+        weights = torch.ones_like(valid_f)
 
     # Everything that removes tokens is a per-sequence keep (B,) and, for token-level
     # rejection only, a per-token keep; they meet the mask in one product at the end.
@@ -254,7 +275,7 @@ def compute_correction(
             raise ValueError("off_policy_sequence_mask_delta needs rollout_logprobs or old_logprobs")
         # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's valid tokens; a token with a
         # non-finite logprob is neutral (drift 0) but still counted, as TRL does for a NaN.
-        drift = torch.sub(behaviour.detach().to(dtype), current_logprobs.detach().to(dtype))
+        drift = torch.sub(behaviour.detach().to(dtype), current_logprobs.detach().to(dtype), out=stats.scratch)
         drift = drift.nan_to_num_(0.0, 0.0, 0.0).mul_(stats.clean_f).sum(dim=-1)
         delta = drift / stats.tokens_per_seq.clamp_min(1.0)
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, stats) < 0)
@@ -263,12 +284,12 @@ def compute_correction(
     keep_f = valid_f * seq_keep.to(dtype).unsqueeze(-1)
     rejected = None
     if cfg.rollout_rejection is not None:
-        kept_by_rejection = valid_f * keep_before_off_policy.to(dtype).unsqueeze(-1)
-        if token_keep is not None:
+        if token_keep is None:  # whole sequences only: the rejected ones' valid tokens
+            rejected = valid_f * (~keep_before_off_policy).to(dtype).unsqueeze(-1)
+        else:
             token_keep_f = token_keep.to(dtype)
-            keep_f = keep_f * token_keep_f
-            kept_by_rejection = kept_by_rejection * token_keep_f
-        rejected = valid_f - kept_by_rejection
+            keep_f.mul_(token_keep_f)
+            rejected = valid_f - valid_f * keep_before_off_policy.to(dtype).unsqueeze(-1) * token_keep_f
 
     if response_mask.dtype == torch.bool:
         mask = keep_f > 0
@@ -277,13 +298,13 @@ def compute_correction(
     else:
         mask = response_mask * keep_f.to(response_mask.dtype)
 
-    metrics: dict[str, float] = {}
+    pending, finish = None, None
     if want_metrics and rollout_logprobs is None:
         seq_valid = stats.tokens_per_seq > 0
-        frac = (off_policy & seq_valid).sum() / seq_valid.sum().clamp_min(1)
-        metrics = {"rollout_correction/off_policy_masked_frac": float(frac)}
-    elif want_metrics:
-        metrics = correction_metrics(
+        pending = ((off_policy & seq_valid).sum() / seq_valid.sum().clamp_min(1)).to(torch.float64).reshape(1)
+        finish = _off_policy_frac_only
+    elif metrics_on:
+        pending = correction_metric_values(
             stats=stats,
             seq_log_ratio=seq_lr,
             base_logprobs=base,
@@ -292,13 +313,17 @@ def compute_correction(
             weights=weights if cfg.rollout_importance_sampling_mode is not None else None,
             clipped=clipped,
             rejected=rejected,
+            rejected_rows=None if rejected is None or token_keep is not None else ~keep_before_off_policy,
             off_policy=off_policy,
-            nonfinite=read_nonfinite,
             advantages=advantages,
             current_logprobs=current_logprobs,
             bypass=bypass,
             process_group=process_group,
         )
+        finish = finish_correction_metrics
+    metrics: dict[str, float] = {}
+    if pending is not None and not defer_metrics:
+        metrics = finish(pending.tolist())  # the one host sync
 
     return CorrectionOutput(
         weights=weights.detach(),
@@ -309,5 +334,12 @@ def compute_correction(
         sequence_log_ratio=seq_lr,
         rejected=rejected if rejected is not None else torch.zeros_like(valid_f),
         off_policy_masked=off_policy,
-        nonfinite=read_nonfinite,
+        nonfinite=stats.read_nonfinite_f,
+        pending_metrics=pending if defer_metrics else None,
+        _finish=finish if defer_metrics else None,
     )
+
+
+def _off_policy_frac_only(values: Sequence[float]) -> dict[str, float]:
+    """The one diagnostic without rollout logprobs (the off-policy mask on π_old)."""
+    return {PREFIX + "off_policy_masked_frac": float(values[0])}

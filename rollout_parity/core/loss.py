@@ -141,8 +141,10 @@ def policy_loss(
 
     ``old_logprobs`` defaults to ``correction.old_logprobs`` (the rollout logprobs under
     bypass). The mask is ``response_mask`` and/or ``correction.mask`` (both when both
-    are given); the weights are ``correction.weights``. Metrics are ``policy/*`` plus the
-    correction's ``rollout_correction/*``.
+    are given); the weights are ``correction.weights``. Metrics are ``policy/pg_clipfrac``,
+    ``policy/pg_clipfrac_lower`` (dual clip) and ``policy/ppo_k1_mean`` (mean log π_old − log π_θ over the
+    loss's tokens: signed, hence not called a KL) plus the correction's ``rollout_correction/*``
+    (docs/metrics.md).
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode: unknown value {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
@@ -204,7 +206,7 @@ def policy_loss(
             (-log_ratio.detach() * mask_f).sum() / n,
             (dual * mask_f).sum() / n,
         ]).tolist()
-        metrics = dict(zip(("policy/pg_clipfrac", "policy/ppo_kl", "policy/pg_clipfrac_lower"), stats))
+        metrics = dict(zip(("policy/pg_clipfrac", "policy/ppo_k1_mean", "policy/pg_clipfrac_lower"), stats))
         if correction is not None:
             metrics.update(correction.metrics)
     return loss, metrics

@@ -1,8 +1,8 @@
 """Diagnostics under the ``rollout_correction/`` prefix, in one pass and one host sync.
 
-ms-swift's set (../shared/seeds/ms-swift-rollout-importance-sampling.txt): ``kl``,
-``k3_kl``, the perplexities, ``chi2_token``, ``chi2_seq``, ``ess``, ``is_weight_mean``,
-``clipped_frac``. Beyond it: ``delta_abs_mean``/``delta_abs_max`` (paper eq. 1),
+ms-swift's set (../shared/seeds/ms-swift-rollout-importance-sampling.txt): ``k1_mean``
+(ms-swift's ``kl``, renamed: a KL name must not go negative), ``k3_kl``, the perplexities,
+``chi2_token``, ``chi2_seq``, ``ess``, ``is_weight_mean``, ``clipped_frac``. Beyond it: ``delta_abs_mean``/``delta_abs_max`` (paper eq. 1),
 ``rejected_token_frac``, ``rejected_seq_frac``, ``off_policy_masked_frac``,
 ``nonfinite_frac`` and the zero-centred loss contribution ``C(r) = −(r−1)A`` split by the
 sign of A (paper eq. 5, ../shared/seeds/tim-diagnosis-paper.txt), whose skew warns of
@@ -11,11 +11,13 @@ TIM before KL does.
 Every statistic is built from sums, counts, maxima and minima. With a process group
 they are all-reduced in float64 (two collectives: SUM and MAX), so a data-parallel run logs the
 metrics of the global batch, equal to one process seeing the concatenated batch.
+The names are ours; ``metric_names.py`` maps them to each framework's (docs/metrics.md).
 
 Definitions (``lr = log r`` sanitised and clamped, see ``ratios.py``; token means are
 over valid tokens; sequence means over sequences with at least one valid token):
 
-* ``kl = mean_t(log π_rollout − log π_train) = mean_t(−lr)``, ``k3_kl = mean_t(r − 1 − lr)``.
+* ``k1_mean = mean_t(log π_rollout − log π_train) = mean_t(−lr)``, the signed k1 estimate of
+  KL(π_rollout‖π_train); ``k3_kl = mean_t(r − 1 − lr)`` ≥ 0.
 * ``training_log_ppl = mean_i(−mean_t log π_train)``, ``training_ppl = mean_i exp(that)``,
   the same for ``rollout_*``; ``log_ppl_diff_i = mean_t log π_rollout − mean_t log π_train``
   with its mean, mean absolute value, max and min; ``ppl_ratio = mean_i exp(log_ppl_diff_i)``.
@@ -35,27 +37,33 @@ over valid tokens; sequence means over sequences with at least one valid token):
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .distributed import all_reduce
 from .ratios import LOG_RATIO_BOUND, TokenStats
 
-#: ``correction_metrics`` is reached through ``compute_correction`` only (its one caller).
+#: ``correction_metric_values`` and ``finish_correction_metrics`` are reached through ``compute_correction`` only.
 __all__ = ["PREFIX"]
 
 PREFIX = "rollout_correction/"
 
+#: The sums every diagnostic is built from, in the order of the one vector that is all-reduced and read back:
+#: row sums over sequences, token sums, then per-sequence values over valid sequences and over sequences
+#: with a finite token, then C(r).
 _SUM_KEYS = (
-    "n_tok", "n_seq", "n_ppl_seq", "kl", "k3", "train_log_ppl", "train_ppl", "roll_log_ppl", "roll_ppl",
-    "lpd", "lpd_abs", "ppl_ratio", "chi2_tok", "chi2_seq", "w", "w2", "clipped", "delta_abs",
-    "rej_tok", "rej_seq", "off_seq", "nonfinite", "c_pos", "c_neg", "c_roll_pos", "c_roll_neg",
+    "n_tok", "lr", "k3", "rej_tok",
+    "chi2_tok", "delta_abs", "nonfinite", "clipped", "w", "w2",
+    "n_seq", "chi2_seq", "off_seq", "rej_seq",
+    "n_ppl_seq", "train_log_ppl", "train_ppl", "roll_log_ppl", "roll_ppl", "lpd", "lpd_abs", "ppl_ratio",
+    "c_pos", "c_neg", "c_roll_pos", "c_roll_neg",
 )
 _MAX_KEYS = ("delta_abs_max", "lpd_max", "neg_lpd_min")
 
 
-def correction_metrics(
+def correction_metric_values(
     *,
     stats: TokenStats,
     seq_log_ratio: torch.Tensor,
@@ -65,109 +73,133 @@ def correction_metrics(
     weights: Optional[torch.Tensor],
     clipped: Optional[torch.Tensor],
     rejected: Optional[torch.Tensor],
+    rejected_rows: Optional[torch.Tensor],
     off_policy: torch.Tensor,
-    nonfinite: torch.Tensor,
     advantages: Optional[torch.Tensor],
     current_logprobs: Optional[torch.Tensor],
     bypass: bool,
     process_group: Any = None,
-) -> dict[str, float]:
-    """All diagnostics of one batch; ``weights``/``clipped``/``rejected`` are None when off.
+) -> torch.Tensor:
+    """All diagnostics of one batch as one float64 vector on the device, all-reduced over ``process_group``;
+    :func:`finish_correction_metrics` turns it, read back, into the named metrics. ``weights``/``clipped``/
+    ``rejected`` are None when off.
 
-    ``clipped``, ``rejected`` and ``nonfinite`` are float 0/1 masks over valid tokens.
+    ``clipped`` is the count of valid tokens the IS mode truncated or zeroed (0-d); ``rejected`` a
+    float 0/1 mask over valid tokens, and ``rejected_rows`` the rejected sequences (bool ``(B,)``)
+    when rejection removes whole sequences only, which spares a pass over ``rejected``.
+
+    Token-level passes reduce at once (to a scalar or to one value per sequence); the per-sequence
+    values are stacked and finished together in float64, so the whole set is a few dozen small
+    operations and one transfer to the host.
     """
     log_ratio, valid_f = stats.log_ratio, stats.valid_f
     dtype = valid_f.dtype
     zero = valid_f.new_zeros(())
-    seq_valid = stats.tokens_per_seq > 0
-    seq_valid_f = seq_valid.to(dtype)
-    n_tok = stats.tokens_per_seq.sum()
-    n_pad = valid_f.numel() - n_tok
+    n_pad = valid_f.numel() - stats.tokens_per_seq.sum()
+    scratch = stats.scratch
 
-    # log_ratio is 0 on padding, so r = 1 there: whole-tensor sums minus the padding count
-    # are valid-token sums without a masking pass.
+    # Token-level sums, each a 0-d tensor. log_ratio is 0 on padding, so r = 1 there: whole-tensor
+    # sums minus the padding count are valid-token sums without a masking pass.
     ratio = stats.ratio
-    abs_lr = log_ratio.abs()
     flat_ratio = ratio.reshape(-1)
-    sum_r2 = torch.dot(flat_ratio, flat_ratio) - n_pad
-    s: dict[str, torch.Tensor] = {
-        "n_tok": n_tok,
-        "n_seq": seq_valid_f.sum(),
-        "kl": -stats.row_log_ratio.sum(),
-        "k3": stats.estimator("k3").sum(),
-        "chi2_tok": sum_r2,
-        "chi2_seq": ((2.0 * seq_log_ratio).exp() * seq_valid_f).sum(),
-        "delta_abs": abs_lr.sum(),
-        "off_seq": (off_policy & seq_valid).to(dtype).sum(),
-        "nonfinite": nonfinite.sum(),
-        "clipped": zero if clipped is None else clipped.sum(),
-        "rej_tok": zero if rejected is None else rejected.sum(),
-        "rej_seq": zero if rejected is None else (rejected.sum(dim=-1) > 0).to(dtype).sum(),
-    }
+    abs_lr = torch.abs(log_ratio, out=scratch)  # 0 on padding and >= 0 elsewhere: the plain max is the valid max
+    delta_abs, delta_abs_max = abs_lr.sum(), abs_lr.amax() if abs_lr.numel() else zero - math.inf
     # Diagnostics only: the weight an IS correction would start from, r. Masked by a product, not
     # "whole sum minus padding count", which cancels every digit of tiny weights (ess of r = e^-20).
-    flat_w = (ratio * valid_f if weights is None else weights).reshape(-1)
-    s["w"] = flat_w.sum()
-    s["w2"] = torch.dot(flat_w, flat_w)
+    flat_w = (torch.mul(ratio, valid_f, out=scratch) if weights is None else weights).reshape(-1)
+    tokens = [torch.dot(flat_ratio, flat_ratio) - n_pad, delta_abs, stats.read_nonfinite_f.sum(),
+              zero if clipped is None else clipped.to(dtype), flat_w.sum(), torch.dot(flat_w, flat_w)]
 
-    # Perplexities: per sequence, over tokens where both sides are finite; (B,) vectors, so float64 is free.
-    n_fin = stats.finite_per_seq
-    ppl_seq = n_fin > 0
-    ppl_seq_f = ppl_seq.to(torch.float64)
-    denom = n_fin.clamp_min(1.0).to(torch.float64)
-    mean_train = stats.finite_row_sum(base_name, base_logprobs).to(torch.float64) / denom
-    mean_roll = stats.finite_row_sum("rollout", rollout_logprobs).to(torch.float64) / denom
-    lpd = mean_roll - mean_train
-    s["n_ppl_seq"] = ppl_seq_f.sum()
-    s["train_log_ppl"] = (-mean_train * ppl_seq_f).sum()
-    s["train_ppl"] = ((-mean_train).exp() * ppl_seq_f).sum()
-    s["roll_log_ppl"] = (-mean_roll * ppl_seq_f).sum()
-    s["roll_ppl"] = ((-mean_roll).exp() * ppl_seq_f).sum()
-    s["lpd"] = (lpd * ppl_seq_f).sum()
-    s["lpd_abs"] = (lpd.abs() * ppl_seq_f).sum()
-    s["ppl_ratio"] = (lpd.exp() * ppl_seq_f).sum()
-
-    # Zero-centred loss contribution C(r) = -(r - 1) A (paper eq. 5), split by the sign of A,
-    # over finite tokens. r_ppo^train = π_θ/π_old; r_ppo^rollout = r_ppo^train · r_corr
-    # (the same thing under bypass, where π_old is π_rollout).
-    for key in ("c_pos", "c_neg", "c_roll_pos", "c_roll_neg"):
-        s[key] = zero
+    # One value per sequence: (B,) rows stacked, finished in float64 (a one-token sequence at logprob −90
+    # has perplexity e^90, past fp32). Perplexities use each sequence's tokens where both logprobs are finite.
+    if rejected is None:
+        rej_row = torch.zeros_like(stats.tokens_per_seq)
+    elif rejected_rows is not None:
+        rej_row = stats.tokens_per_seq * rejected_rows.to(dtype)
+    else:
+        rej_row = rejected.sum(dim=-1)
+    k3_row = stats.row_sum("k3")
+    train_row = stats.finite_row_sum(base_name, base_logprobs)
+    roll_row = stats.finite_row_sum("rollout", rollout_logprobs)
+    c_train_row = c_roll_row = torch.zeros_like(stats.tokens_per_seq)
+    c_tokens = None
     if advantages is not None and current_logprobs is not None:
-        adv = advantages.detach().to(dtype)  # 0 on padding (compute_correction zeroed it there)
-        finite_f = stats.clean_f  # every logprob read is finite
-        old = rollout_logprobs if bypass else base_logprobs
-        lr_train = (current_logprobs.detach().to(dtype) - old.detach().to(dtype)).nan_to_num_(0.0, 0.0, 0.0)
-        lr_train.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(finite_f)
-        r_train = lr_train.exp_()  # 1 off the finite tokens, so r - 1 needs no mask there
-        # r_ppo^rollout = r_ppo^train · r_corr (the same thing under bypass, where π_old is π_rollout)
-        minus_c_roll = None if bypass else (r_train * ratio).sub_(1.0).mul_(finite_f)
-        minus_c_train = r_train.sub_(1.0)
-        minus_c_roll = minus_c_train if minus_c_roll is None else minus_c_roll
-        for tag, minus_c in (("c", minus_c_train), ("c_roll", minus_c_roll)):
-            if adv.dim() == 1:  # one advantage per sequence: split the row sums, not the tokens
-                contrib = -minus_c.sum(dim=-1) * adv
-            else:
-                contrib = -(minus_c * adv)
-            pos = (adv > 0).to(dtype)
-            neg = (adv < 0).to(dtype)
-            s[f"{tag}_pos"] = (contrib * pos).sum()
-            s[f"{tag}_neg"] = (contrib * neg).sum()
-
-    neg_inf = torch.full((), float("-inf"), dtype=torch.float64, device=valid_f.device)
-    m = {
-        # |lr| is 0 on padding and >= 0 elsewhere, so the plain max is the valid max.
-        "delta_abs_max": abs_lr.amax() if log_ratio.numel() else neg_inf,
-        "lpd_max": torch.where(ppl_seq, lpd, neg_inf).amax() if lpd.numel() else neg_inf,
-        "neg_lpd_min": torch.where(ppl_seq, -lpd, neg_inf).amax() if lpd.numel() else neg_inf,
-    }
-
-    sums = torch.stack([s[k].to(torch.float64) for k in _SUM_KEYS])
-    maxes = torch.stack([m[k].to(torch.float64) for k in _MAX_KEYS])
+        c_train_row, c_roll_row, c_tokens = _loss_contributions(stats, advantages, current_logprobs,
+                                                                rollout_logprobs, bypass)
+    rows = torch.stack([stats.tokens_per_seq, stats.row_log_ratio, k3_row, rej_row, stats.finite_per_seq,
+                        train_row, roll_row, seq_log_ratio, off_policy.to(dtype), c_train_row, c_roll_row,
+                        advantages.to(dtype) if advantages is not None and advantages.dim() == 1
+                        else torch.zeros_like(stats.tokens_per_seq)]).to(torch.float64)
+    n, lr_row, k3_row, rej_row, n_fin, train_row, roll_row, seq_lr, off, c_train_row, c_roll_row, adv = rows
+    seq_valid = (n > 0).to(torch.float64)
+    ppl_valid = n_fin > 0
+    ppl_f = ppl_valid.to(torch.float64)
+    denom = n_fin.clamp_min(1.0)
+    mean_train, mean_roll = train_row / denom, roll_row / denom
+    lpd = mean_roll - mean_train
+    neg_train, neg_roll = -mean_train, -mean_roll
+    exps = torch.stack([2.0 * seq_lr, neg_train, neg_roll, lpd]).exp()
+    per_seq = torch.stack([seq_valid, exps[0], off, (rej_row > 0).to(torch.float64)])
+    per_ppl = torch.stack([ppl_f, neg_train, exps[1], neg_roll, exps[2], lpd, lpd.abs(), exps[3]])
+    # Zero-centred loss contribution C(r) = −(r−1)A, split by the sign of the sequence's advantage (paper eq. 5).
+    contrib = -torch.stack([c_train_row, c_roll_row]) * adv
+    signs = torch.stack([(adv > 0), (adv < 0)]).to(torch.float64)
+    sums = torch.cat([
+        rows[:4].sum(dim=-1),
+        torch.stack(tokens).to(torch.float64),
+        per_seq @ seq_valid,
+        per_ppl @ ppl_f,
+        (contrib @ signs.T).reshape(-1) if c_tokens is None else torch.stack(c_tokens).to(torch.float64),
+    ])
+    neg_inf = torch.full((), -math.inf, dtype=torch.float64, device=valid_f.device)
+    extrema = torch.where(ppl_valid, torch.stack([lpd, -lpd]), neg_inf).amax(dim=-1) if lpd.numel() else (
+        neg_inf.expand(2))
+    maxes = torch.cat([delta_abs_max.to(torch.float64).reshape(1), extrema])
     all_reduce(sums, process_group)
     all_reduce(maxes, process_group, "max")
-    values = torch.cat([sums, maxes]).tolist()  # the one host sync
-    g = dict(zip(_SUM_KEYS + _MAX_KEYS, values))
-    return _finalise(g)
+    return torch.cat([sums, maxes])
+
+
+def finish_correction_metrics(values: Sequence[float]) -> dict[str, float]:
+    """The named diagnostics from :func:`correction_metric_values`' vector, read back (its one host sync)."""
+    if len(values) != len(_SUM_KEYS + _MAX_KEYS):
+        raise ValueError(f"expected {len(_SUM_KEYS + _MAX_KEYS)} values (correction_metric_values), got {len(values)}")
+    return _finalise(dict(zip(_SUM_KEYS + _MAX_KEYS, values)))
+
+
+def _loss_contributions(stats: TokenStats, advantages: torch.Tensor, current_logprobs: torch.Tensor,
+                        rollout_logprobs: torch.Tensor, bypass: bool):
+    """Σ_t −(r − 1) over each sequence's finite tokens for r_ppo^train = π_θ/π_old and r_ppo^rollout.
+
+    Returns ``(train_rows, rollout_rows, token_sums)``: with one advantage per sequence the row sums
+    (the split by the sign of A happens per sequence), else zeros and the four sums
+    ``Σ C`` over tokens with A > 0 / A < 0, train then rollout. r_ppo^rollout = r_ppo^train · r_corr
+    (the same thing under bypass, where π_old is π_rollout).
+    """
+    dtype = stats.valid_f.dtype
+    clean = stats.clean_f  # every logprob read is finite
+    if stats.ppo_log_ratio is not None:
+        lr_train = stats.ppo_log_ratio  # π_θ − π_old as read; this is its last reader, so work in place
+    else:
+        old = rollout_logprobs  # bypass: π_old is π_rollout (the only case without the kept difference)
+        lr_train = torch.sub(current_logprobs.detach().to(dtype), old.detach().to(dtype), out=stats.scratch)
+    lr_train.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(clean)
+    r_train = lr_train.exp_()  # 1 off the finite tokens, so r - 1 needs no mask there
+    roll = None
+    if not bypass:
+        roll = torch.mul(r_train, stats.ratio, out=stats.scratch).sub_(1.0).mul_(clean)
+    train = r_train.sub_(1.0)
+    roll = train if roll is None else roll
+    if advantages.dim() == 1:
+        return train.sum(dim=-1), roll.sum(dim=-1), None
+    adv = advantages.to(dtype)
+    pos, neg = (adv > 0).to(dtype), (adv < 0).to(dtype)
+    zero_rows = torch.zeros_like(stats.tokens_per_seq)
+    sums = []
+    for minus_c in (train, roll):
+        contrib = -(minus_c * adv)
+        sums += [(contrib * pos).sum(), (contrib * neg).sum()]
+    return zero_rows, zero_rows, sums
 
 
 def _finalise(g: dict[str, float]) -> dict[str, float]:
@@ -181,7 +213,7 @@ def _finalise(g: dict[str, float]) -> dict[str, float]:
     else:
         ess = 1.0 if n_tok == 0 else 0.0
     out = {
-        "kl": tok(g["kl"]),
+        "k1_mean": -tok(g["lr"]) if n_tok > 0 else 0.0,
         "k3_kl": tok(g["k3"]),
         "training_ppl": ppl(g["train_ppl"]) if n_ppl > 0 else 1.0,
         "training_log_ppl": ppl(g["train_log_ppl"]),

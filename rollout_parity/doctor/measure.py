@@ -337,7 +337,7 @@ def _row(spec: RowSpec, cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any, p
         "outside_sequences": int((outside * mask).sum(-1).gt(0).sum()) if outside is not None else 0,
         "nonfinite_tokens": int((~finite).sum()),
         # From compute_correction under the evaluated flags (--preset, --set).
-        **{k: m.get(k, float("nan")) for k in ("kl", "k3_kl", "ess", "clipped_frac", "rejected_token_frac",
+        **{k: m.get(k, float("nan")) for k in ("k1_mean", "k3_kl", "ess", "clipped_frac", "rejected_token_frac",
                                                "rejected_seq_frac", "nonfinite_frac")},
         "tokens": n_tokens,
         "sequences": int(mask.shape[0]),

@@ -52,7 +52,7 @@ def format_table(report: dict[str, Any]) -> str:
     cols = [
         ("row", "row", "{}"), ("setting", "label", "{}"), ("trainer", "trainer_head", "{}"),
         ("mean|d|", "delta_abs_mean", "{:.2e}"), ("max|d|", "delta_abs_max", "{:.2e}"),
-        ("kl", "kl", "{:+.1e}"), ("k3_kl", "k3_kl", "{:.1e}"), ("ess", "ess", "{:.4f}"),
+        ("k1_mean", "k1_mean", "{:+.1e}"), ("k3_kl", "k3_kl", "{:.1e}"), ("ess", "ess", "{:.4f}"),
         ("clipped", "clipped_frac", "{:.4f}"), ("rej seq", "rejected_seq_frac", "{:.3f}"),
         ("tok/s", "tokens_per_s", "{:.0f}"), ("vs a", "vs_a", "{:.2f}"),
     ]

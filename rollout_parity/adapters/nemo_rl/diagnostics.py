@@ -5,7 +5,9 @@ diagnostic is returned as this microbatch's share of the global mean: local mean
 global count. Token means divide by ``global_valid_toks``; sequence means by ``global_valid_seqs``
 (a sample without valid, finite tokens counts as on-policy). Extrema and quantities no sum gives
 are left out. ``normalizations`` names each denominator for NeMo RL main's ``MetricNormalizer``.
-NeMo RL's own metrics are never computed here: they come from its ``ClippedPGLossFn``.
+NeMo RL's own metrics are never computed here: they come from its ``ClippedPGLossFn``, and where one of them is
+the same quantity as ours (the table and its conditions: ``core/metric_names.py``) ours is left out (the
+hand-over does it).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["TOKEN_MEANS", "SEQ_MEANS", "PPL_MEANS", "LEFT_OUT", "PREFIX", "global_shares", "normalizations"]
+__all__ = ["TOKEN_MEANS", "SEQ_MEANS", "PPL_MEANS", "LEFT_OUT", "PREFIX", "counts", "global_shares", "normalizations"]
 
 PREFIX = "rollout_correction/"
-TOKEN_MEANS = ("kl", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac", "delta_abs_mean",
+TOKEN_MEANS = ("k1_mean", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac", "delta_abs_mean",
                "rejected_token_frac", "nonfinite_frac", "loss_contrib_pos", "loss_contrib_neg",
                "loss_contrib_rollout_pos", "loss_contrib_rollout_neg")
 SEQ_MEANS = ("chi2_seq", "rejected_seq_frac", "off_policy_masked_frac")
@@ -26,15 +28,20 @@ LEFT_OUT = ("ess", "delta_abs_max", "log_ppl_diff_max", "log_ppl_diff_min", "tra
             "training_log_ppl", "rollout_ppl", "rollout_log_ppl")
 
 
-def global_shares(core_metrics: dict, out: Any, mask: torch.Tensor, sample_mask: torch.Tensor,
-                  gvt: float, gvs: float) -> dict[str, float]:
-    """The core's local means (``compute_correction`` on one microbatch) as shares of the global
-    means. ``mask`` is NeMo RL's ``token_mask * sample_mask`` before our rejection."""
-    n_tok = float(mask.sum())
-    n_seq = float((mask.sum(dim=-1) > 0).sum())
+def counts(out: Any, mask: torch.Tensor, sample_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The local counts :func:`global_shares` scales by, on the device (read back with the diagnostics).
+    ``mask`` is NeMo RL's ``token_mask * sample_mask`` before our rejection."""
     finite = mask - out.nonfinite.to(mask.dtype)
-    n_ppl = float((finite.sum(dim=-1) > 0).sum())
-    n_samples = float(sample_mask.sum())
+    return {"n_tok": mask.sum(), "n_seq": (mask.sum(dim=-1) > 0).sum(), "n_ppl": (finite.sum(dim=-1) > 0).sum(),
+            "n_samples": sample_mask.sum()}
+
+
+def global_shares(core_metrics: dict, counted: dict[str, float]) -> dict[str, float]:
+    """The core's local means (``compute_correction`` on one microbatch) as shares of the global
+    means; ``counted``: :func:`counts` read back, with NeMo RL's ``gvt``/``gvs`` (global valid tokens and
+    sequences)."""
+    n_tok, n_seq, n_ppl, n_samples = (counted[k] for k in ("n_tok", "n_seq", "n_ppl", "n_samples"))
+    gvt, gvs = counted["gvt"], counted["gvs"]
     per_tok = 1.0 / gvt if gvt > 0 else 0.0
     per_seq = 1.0 / gvs if gvs > 0 else 0.0
     shares: dict[str, float] = {}

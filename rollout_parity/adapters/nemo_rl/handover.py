@@ -24,6 +24,7 @@ from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, GUARD_KEY, as_d
 from rollout_parity.adapters.nemo_rl.versions import nemo_loss_names
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.metric_names import NemoRLLoss, nemo_rl_names
 
 __all__ = ["RolloutParityLossFn"]
 
@@ -90,9 +91,17 @@ class RolloutParityLossFn:
         self.metrics_mode = metrics
         self.nemo_loss_fn = names.ClippedPGLossFn(names.ClippedPGLossConfig(**keys), *nemo_args, **nemo_kwargs)
         self.last_correction = None  # weights/mask of the last microbatch, for inspection
-        if hasattr(self.nemo_loss_fn, "metric_normalizations") and names.MetricNormalizer is not None:
-            self.metric_normalizations = {**self.nemo_loss_fn.metric_normalizations,
-                                          **diagnostics.normalizations(names.MetricNormalizer, metrics == "local")}
+        inner = self.nemo_loss_fn
+        #: what decides which of our diagnostics NeMo RL's loss logs itself (core/metric_names.py): left out of ours
+        self.nemo_settings = NemoRLLoss(
+            kl_type=getattr(inner, "reference_policy_kl_type", "k3"),
+            own_truncation=getattr(inner, "truncated_importance_sampling_ratio", None) is not None,
+            sequence_level=bool(getattr(inner, "sequence_level_importance_ratios", False)))
+        if hasattr(inner, "metric_normalizations") and names.MetricNormalizer is not None:
+            ours = diagnostics.normalizations(names.MetricNormalizer, metrics == "local")
+            if metrics == "nemo":
+                ours = nemo_rl_names(ours, correction, self.nemo_settings)
+            self.metric_normalizations = {**inner.metric_normalizations, **ours}
 
     @classmethod
     def from_nemo_config(cls, loss_cfg: Any, *nemo_args: Any, metrics: str = "nemo",
@@ -127,7 +136,8 @@ class RolloutParityLossFn:
         valid = mask > 0
         want = cfg.wants_metrics
         out = compute_correction(cfg, old_logprobs=prev, rollout_logprobs=gen, response_mask=mask,
-                                 advantages=advantages, current_logprobs=cur.detach(), with_metrics=want)
+                                 advantages=advantages, current_logprobs=cur.detach(), with_metrics=want,
+                                 defer_metrics=True)  # read back below with the rest, in one transfer
         self.last_correction = out
         # What NeMo RL's loss sees: the data as NeMo RL would, except
         # * π_old (the core's; bypass: the rollout's) is π_θ where it is not finite (a PPO ratio
@@ -144,15 +154,16 @@ class RolloutParityLossFn:
         view = copy.copy(data)
         view["prev_logprobs"] = _tail(data.get("prev_logprobs", data["generation_logprobs"]), seen_old)
         view["generation_logprobs"] = _tail(data["generation_logprobs"], seen_gen)
-        removed = valid & ~(out.mask > 0)
-        if bool(removed.any()):  # rejection and off-policy masking: out of NeMo RL's loss mask
+        if cfg.rollout_rejection is not None or cfg.off_policy_sequence_mask_delta is not None:
+            removed = valid & ~(out.mask > 0)  # rejection and off-policy masking: out of NeMo RL's loss mask
             view["token_mask"] = _tail(data["token_mask"], data["token_mask"][:, 1:].masked_fill(removed, 0))
         if cfg.rollout_importance_sampling_mode is not None:  # our weight multiplies the token's loss
             view["advantages"] = _tail(data["advantages"], advantages * out.weights)
         cur_in = next_token_logprobs.masked_fill(padding, 0.0)
         call = dict(global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks, **kwargs)
         loss, metrics = inner(next_token_logprobs=cur_in, data=view, **call)
-        if bool(bad_gen.any()):
+        got, ours = self._read_back(loss, bad_gen, out, mask, sample_mask, global_valid_toks, global_valid_seqs)
+        if got["bad_gen"]:
             # NeMo RL's metrics of such a batch are NaN or inf. Ours come from the same loss on the
             # batch where the engine agreed with π_old on those tokens (a difference on purpose;
             # the tokens are counted in rollout_correction/nonfinite_frac).
@@ -160,14 +171,31 @@ class RolloutParityLossFn:
             agreed["generation_logprobs"] = _tail(data["generation_logprobs"], torch.where(bad_gen, seen_old, seen_gen))
             with torch.no_grad():
                 _, metrics = inner(next_token_logprobs=cur_in.detach(), data=agreed, **call)
-            metrics = {**metrics, "loss": float(loss.detach())}
+            metrics = {**metrics, "loss": got["loss"]}
         if not want:
             return loss, metrics
         if self.metrics_mode == "local":
-            return loss, {**metrics, **out.metrics}
-        ours = diagnostics.global_shares(out.metrics, out, mask, sample_mask, float(global_valid_toks),
-                                         float(global_valid_seqs))
-        return loss, {**metrics, **ours}
+            return loss, {**metrics, **ours}
+        ours = diagnostics.global_shares(ours, got)
+        return loss, {**metrics, **nemo_rl_names(ours, cfg, self.nemo_settings)}
+
+    def _read_back(self, loss, bad_gen, out, mask, sample_mask, gvt, gvs) -> tuple[dict[str, float], dict]:
+        """Everything the hand-over needs on the host, in one transfer: whether an engine logprob is not
+        finite, the loss, the counts :func:`diagnostics.global_shares` scales by, and the core's pending
+        diagnostics (named)."""
+        with torch.no_grad():
+            parts = {"bad_gen": bad_gen.any(), "loss": loss.detach()}
+            if self.correction.wants_metrics:
+                parts.update(diagnostics.counts(out, mask, sample_mask))
+                for name, value in (("gvt", gvt), ("gvs", gvs)):
+                    parts[name] = value.detach() if torch.is_tensor(value) else torch.tensor(float(value))
+            device = loss.device
+            vector = torch.stack([p.to(device=device, dtype=torch.float64).reshape(()) for p in parts.values()])
+            if out.pending_metrics is not None:
+                vector = torch.cat([vector, out.pending_metrics.to(device)])
+            values = vector.tolist()  # the one host sync of the hand-over
+        got = dict(zip(parts, values))
+        return got, out.finish_metrics(values[len(parts):])
 
     def _read(self, next_token_logprobs: torch.Tensor, data: Any):
         """The ``(B, T)`` tensors of NeMo RL's ``ClippedPGLossDataDict``, read as ``[:, 1:]``."""

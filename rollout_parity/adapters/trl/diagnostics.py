@@ -1,8 +1,10 @@
 """The diagnostics only TRL's loss can see, from a pass-through that returns TRL's loss untouched.
 
-C(r) split by the sign of the advantage, the off-policy share and ``policy/ppo_kl`` need pi_theta of
-each micro-step: ``observed_forward`` (generation.py) keeps what TRL's loss forward computed, and
-:func:`diagnosed_loss` hands it to the core with the batch's pi_old, pi_rollout and masks.
+C(r) split by the sign of the advantage, the off-policy share and ``rollout_correction/ppo_k1_mean`` (mean
+log pi_old - log pi_theta over TRL's loss tokens, the drift PPO's ratio sees; signed, so not called a KL) need
+pi_theta of each micro-step: ``observed_forward`` (generation.py) keeps what TRL's loss forward computed, and
+:func:`diagnosed_loss` hands it to the core with the batch's pi_old, pi_rollout and masks. Per micro-step
+they are read back in one transfer (docs/metrics.md, "One host sync").
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from rollout_parity.adapters.trl.generation import KEY, ORIGINAL, THETA_METRICS, process_group
 from rollout_parity.core.correction import compute_correction
-from rollout_parity.core.distributed import masked_mean
+from rollout_parity.core.distributed import all_reduce
 
 __all__ = ["diagnosed_loss"]
 
@@ -36,11 +38,17 @@ def diagnosed_loss(state: Any, original: Any, model: Any, inputs: Mapping[str, A
     out = compute_correction(state.config, old_logprobs=old, rollout_logprobs=rollout,
                              response_mask=inputs[KEY + "response_mask"], advantages=inputs["advantages"],
                              current_logprobs=current - inputs[KEY + "kept_mass"], process_group=group,
-                             with_metrics=True)
+                             with_metrics=True, defer_metrics=True)
     in_loss = (inputs["completion_mask"] * inputs.get("tool_mask", 1)) != 0  # TRL's loss tokens
-    drift = (inputs["old_per_token_logps"] - current).nan_to_num(0.0, 0.0, 0.0)
+    with torch.no_grad():
+        drift = (inputs["old_per_token_logps"] - current).nan_to_num(0.0, 0.0, 0.0)
+        drift_sums = all_reduce(torch.stack([torch.where(in_loss, drift.double(), 0.0).sum(), in_loss.sum().double()]),
+                                group)
+        values = torch.cat([drift_sums, out.pending_metrics.to(drift_sums.device)]).tolist()  # the one host sync
+    ours = out.finish_metrics(values[2:])
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     for name in THETA_METRICS:
-        metrics[name].append(out.metrics[name])
-    metrics["policy/ppo_kl"].append(masked_mean(drift, in_loss, group))
+        metrics[name].append(ours[name])
+    total, count = values[:2]
+    metrics["rollout_correction/ppo_k1_mean"].append(total / count if count else 0.0)  # as masked_mean
     return loss

@@ -23,6 +23,7 @@ from rollout_parity.adapters.trl.refusals import MissingRolloutLogprobsError, re
 from rollout_parity.adapters._refusals import describe_flags
 from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.distributed import all_reduce, masked_summary
+from rollout_parity.core.metric_names import trl_names
 from rollout_parity.core.ratios import check_shapes
 from rollout_parity.core.replay import KeptSets
 from rollout_parity.core.sampler import kept_mass_metrics, rollout_on_full_vocabulary, sampler_logprobs_from_hidden
@@ -139,12 +140,17 @@ def _hand_over(output: dict, name: str, value: torch.Tensor, trl_had_it: bool = 
     output[name] = value
 
 
-def _sampling_metrics(ratio: torch.Tensor, kept: torch.Tensor, ours: dict, group: Any) -> dict[str, float]:
-    """TRL's ``sampling/*`` names, describing the weights that act: global min / mean / max over kept tokens."""
-    summary = masked_summary(ratio, kept, group, empty=1.0)
-    return {"sampling/sampling_logp_difference/mean": ours.get("rollout_correction/delta_abs_mean", 0.0),
-            "sampling/sampling_logp_difference/max": ours.get("rollout_correction/delta_abs_max", 0.0),
-            "sampling/importance_sampling_ratio/min": summary.min,
+def _ratio_metrics(cfg: Any, weights: torch.Tensor, kept: torch.Tensor, group: Any) -> dict[str, float]:
+    """TRL's ``sampling/importance_sampling_ratio/*``, of the weights that act: global min / mean / max over the
+    loss's tokens, or over its sequences for a per-sequence weight (TRL's own reading of a sequence-level ratio)."""
+    mode = cfg.rollout_importance_sampling_mode or ""
+    if mode == "sequence_truncate" or (mode == "sequence_mask"
+                                       and cfg.rollout_importance_sampling_sequence_mask_weight == "sequence"):
+        rows = kept.any(dim=-1)  # one weight per sequence: its value on any kept token
+        first = kept.to(torch.uint8).argmax(dim=-1, keepdim=True)
+        weights, kept = weights.gather(-1, first).squeeze(-1), rows
+    summary = masked_summary(weights, kept, group, empty=1.0)
+    return {"sampling/importance_sampling_ratio/min": summary.min,
             "sampling/importance_sampling_ratio/mean": summary.mean,
             "sampling/importance_sampling_ratio/max": summary.max}
 
@@ -181,7 +187,8 @@ def corrected_generation(state: Any, original: Any, inputs: Any) -> dict:
                              current_logprobs=processed_old if bypass else None,  # pi_theta = pi_old at generation
                              with_metrics=cfg.wants_metrics or state.hands_weights(trainer))
     output.update({KEY + "old": processed_old, KEY + "response_mask": loss_mask, KEY + "kept_mass": kept_mass})
-    logged = {k: v for k, v in out.metrics.items() if k not in THETA_METRICS}
+    # TRL's sampling/sampling_logp_difference/* carry our delta_abs_* (docs/metrics.md)
+    logged = trl_names({k: v for k, v in out.metrics.items() if k not in THETA_METRICS}, cfg)
     if captured:
         logged.update(kept_mass_metrics(kept_mass, loss_mask, group, outside_mask=torch.cat([c[1] for c in captured]),
                                         replayed_mask=torch.cat([c[2] for c in captured]) if cfg.rollout_sampling_replay
@@ -200,10 +207,10 @@ def corrected_generation(state: Any, original: Any, inputs: Any) -> dict:
             _hand_over(output, "sampling_per_token_logps", behaviour.masked_fill(~behaviour.isfinite(), math.nan))
         if bypass:  # pi_old := pi_rollout on the trainer's support; an engine NaN / inf takes TRL's pi_old (counted)
             _hand_over(output, "old_per_token_logps", rollout_on_full_vocabulary(rollout, old, processed_old))
-        for name in TRL_SAMPLING_METRICS:  # TRL's describe a ratio that no longer acts
-            if name in metrics:
-                del metrics[name][lengths.get(name, 0):]
-        logged.update(_sampling_metrics(ratio, kept, out.metrics, group))
+        logged.update(_ratio_metrics(cfg, ratio, kept, group))
+    for name in TRL_SAMPLING_METRICS:  # where we log one of TRL's sampling/* keys, TRL's own value of this batch goes
+        if name in logged and name in metrics:
+            del metrics[name][lengths.get(name, 0):]
     for name, value in logged.items():
         metrics[name].append(value)
     return output

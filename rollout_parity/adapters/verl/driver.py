@@ -19,6 +19,7 @@ import torch
 from rollout_parity.adapters.verl.config import check_no_double_correction
 from rollout_parity.adapters.verl.flags import MODULE, active_config, active_sampler, require_config
 from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.metric_names import verl_names
 from rollout_parity.core.sampler import kept_mass_metrics, rollout_on_full_vocabulary
 
 __all__ = ["PROCESSED_FIELD", "OUTSIDE_FIELD", "driver_correction", "rollout_correction_helper", "batch_in_flight"]
@@ -103,7 +104,8 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
     ``response_mask``. Writes the corrected ``response_mask``, ``rollout_is_weights`` when an IS
     mode is set, keeps what rejection removed out of the GRPO/RLOO baselines, and under bypass
     sets ``old_log_probs := pi_rollout`` (on the trainer's full-vocabulary support when the sampler
-    truncates). Returns ``(batch, metrics)``.
+    truncates). Returns ``(batch, metrics)``: ours, under verl's ``rollout_corr/*`` names where verl
+    computes the same formula (``core/metric_names.py``).
     """
     cfg = require_config("driver_correction")
     if rollout_corr_config is not None:
@@ -131,7 +133,9 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
     if cfg.old_logprob_source == "bypass":
         behaviour = rollout if sampler is None else rollout_on_full_vocabulary(rollout, old, trainer_old)
         _write_old_log_probs(batch, behaviour)
-    metrics = {k: v for k, v in out.metrics.items() if k.split("/", 1)[-1] not in _METRICS_NEED_POLICY}
+    # verl's own rollout_corr/* names where verl computes the same formula (docs/metrics.md)
+    driver_metrics = {k: v for k, v in out.metrics.items() if k.split("/", 1)[-1] not in _METRICS_NEED_POLICY}
+    metrics = verl_names(driver_metrics, cfg)
     if sampler is not None:
         # log S = full - processed per token (over the kept set with the sampled token added, where the
         # actor's recomputed kept set missed it: ``outside``)

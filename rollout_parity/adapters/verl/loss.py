@@ -21,6 +21,7 @@ from rollout_parity.adapters._patching import is_ours, mark
 from rollout_parity.adapters.verl.flags import active_config
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.metric_names import verl_names
 from rollout_parity.core.ratios import check_shapes
 
 __all__ = ["with_rollout_parity", "policy_loss_fn", "ppo_loss_with_global_metrics"]
@@ -55,16 +56,19 @@ def _loss_side_correction(cfg: CorrectionConfig, old: torch.Tensor, current: tor
 
     The behaviour policy the loss can see is ``old`` (pi_old in decoupled mode, docs/verl.md;
     pi_rollout under bypass). Under verl's own bypass (no rejection) the diagnostics of pi_theta
-    against pi_rollout are computed here too, per micro-batch.
+    against pi_rollout are computed here too, per micro-batch. Its diagnostics stay on the device
+    (``pending_metrics``): the wrapper reads them back with its own values, in one transfer.
     """
     if bypass_in_loss:
         side_cfg = cfg.replace(rollout_rejection=None, rollout_rejection_threshold=None)
         return compute_correction(side_cfg, rollout_logprobs=old, response_mask=mask, advantages=advantages,
-                                  current_logprobs=current.detach(), with_metrics=cfg.wants_metrics)
+                                  current_logprobs=current.detach(), with_metrics=cfg.wants_metrics,
+                                  defer_metrics=True)
     side_cfg = cfg.replace(rollout_importance_sampling_mode=None, rollout_rejection=None,
                            rollout_rejection_threshold=None, old_logprob_source="recompute")
     return compute_correction(side_cfg, old_logprobs=old, rollout_logprobs=old, response_mask=mask,
-                              advantages=advantages, current_logprobs=current.detach(), with_metrics=cfg.wants_metrics)
+                              advantages=advantages, current_logprobs=current.detach(), with_metrics=cfg.wants_metrics,
+                              defer_metrics=True)
 
 
 def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
@@ -72,9 +76,9 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
 
     The wrapped loss runs unchanged on pi_old and pi_theta made finite, ``response_mask`` narrowed
     by the off-policy sequence mask (and by non-finite pi_theta), and verl's ``rollout_is_weights``
-    (our driver's weights) as given. Adds the policy-side metrics (``policy/ppo_kl``,
-    ``rollout_correction/loss_contrib_pos/neg``, ``off_policy_masked_frac``, ``policy/nonfinite_frac``)
-    as micro-batch means.
+    (our driver's weights) as given. Adds the policy-side metrics (``rollout_correction/loss_contrib_pos/neg``,
+    ``off_policy_masked_frac``, ``loss_nonfinite_frac``, and ``ppo_k1_mean`` where the loss logs no
+    ``actor/ppo_kl`` of its own) as micro-batch means.
     """
     if is_ours(loss_fn):
         return loss_fn  # already ours
@@ -102,13 +106,14 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
         loss, metrics = loss_fn(old_log_prob=old, log_prob=cur, advantages=advantages, response_mask=mask,
                                 loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights)
         metrics = dict(metrics)
-        if not bool(mask.any()) and not bool(torch.isfinite(loss)):
+        own_kl = "actor/ppo_kl" in metrics  # the loss's own, over the mask we handed it: not logged twice
+        got, side_metrics = _read_back(loss, old, cur, mask, side_mask, nonfinite, side, own_kl)
+        if not got["any_kept"] and not got["loss_finite"]:
             # All tokens rejected or masked: verl's token-mean without a global normaliser divides
             # 0 by 0. The neutral result of docs/flags.md instead: a zero loss that still backpropagates.
             loss = cur.sum() * 0.0
             metrics = {k: 0.0 if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        own_kl = metrics.get("actor/ppo_kl")  # verl's, over the mask we handed the loss, by the loss's own formula
-        sums = _policy_metric_sums(old, cur, mask, side_mask, nonfinite, side, bypass_in_loss, own_kl)
+        sums = _policy_metric_sums(cfg, got, side is not None, side_metrics, bypass_in_loss, own_kl)
         _loss_sums.set(sums)
         metrics.update({name: value / max(n, 1.0) for name, (value, n, _) in sums.items()})
         return loss, metrics
@@ -116,43 +121,64 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
     return mark(policy_loss_with_rollout_parity)
 
 
-def _policy_metric_sums(old, cur, mask, side_mask, nonfinite_valid, side,
-                        bypass_in_loss, own_kl=None) -> dict[str, tuple[float, float, str]]:
-    """The loss-side metrics as ``{name: (local sum, local count, kind)}``.
+def _read_back(loss, old, cur, mask, side_mask, nonfinite_valid, side, own_kl) -> tuple[dict[str, float], dict]:
+    """Every value the wrapper needs on the host, in one transfer: whether any token is kept, whether the
+    loss is finite, the policy-side counts and sums, and the side correction's pending diagnostics.
+
+    ``mask`` is what the loss trained on; ``side_mask`` what the core's diagnostics read. Without the
+    loss's own ``actor/ppo_kl`` the k1 sums of :func:`_policy_metric_sums` are read too.
+    """
+    f32 = torch.float32
+    with torch.no_grad():
+        side_f = side_mask.to(f32)
+        off_policy = side_f.new_zeros(()) if side is None else side.off_policy_masked.to(f32).sum()
+        parts = {"any_kept": mask.bool().any().to(f32), "loss_finite": torch.isfinite(loss.detach()).all().to(f32),
+                 "n_side": side_f.sum(), "n_valid": (side_mask.bool() | nonfinite_valid).to(f32).sum(),
+                 "nonfinite": nonfinite_valid.to(f32).sum(), "side_seqs": (side_f.sum(-1) > 0).to(f32).sum(),
+                 "off_policy": off_policy}
+        if not own_kl:
+            log_ratio = (cur.detach().to(f32) - old.to(f32)).clamp(-20.0, 20.0)
+            mask_f = mask.to(f32)
+            parts.update(k1=(-log_ratio * mask_f).sum(), n_kept=mask_f.sum())
+        pending = side.pending_metrics if side is not None and side.pending_metrics is not None else None
+        vector = torch.stack([p.to(torch.float64) for p in parts.values()])
+        if pending is not None:
+            vector = torch.cat([vector, pending.to(vector.device)])
+        values = vector.tolist()  # the one host sync of the wrapper
+    got = dict(zip(parts, values))
+    return got, (side.finish_metrics(values[len(parts):]) if pending is not None else {})
+
+
+def _policy_metric_sums(cfg, got: dict[str, float], has_side: bool, side_metrics: dict[str, float],
+                        bypass_in_loss: bool, own_kl: bool = False) -> dict[str, tuple[float, float, str]]:
+    """The loss-side metrics as ``{name: (local sum, local count, kind)}``, from :func:`_read_back`'s values.
 
     ``kind`` names verl's global normaliser a sum is divided by: ``token`` or ``seq``; ``mean``
     entries (count 1) stay micro-batch means, which verl averages over micro-batches and ranks as
-    it averages its own ``actor/ppo_kl``. ``mask`` is what the loss trained on; ``side_mask`` what
-    the core's diagnostics read.
+    it averages its own ``actor/ppo_kl``.
 
-    ``policy/ppo_kl`` is verl's ``actor/ppo_kl`` over the tokens the loss kept, for every loss mode: the
-    loss's own value where it reports one (each loss has its own formula: gspo does not clamp log r), else
-    vanilla's ``masked_mean(-log r, mask)`` with log r clamped to +-20 (gpg, a loss the user registered). The clip
-    fractions are the loss's own (``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``): each verl loss
-    computes them over the mask handed to it, with its own ratio (gspo's sequence ratio) and the
-    clip range it reads from verl's config; a token-level copy next to them would say something else.
+    Where the loss logs its own ``actor/ppo_kl`` (``own_kl``; each loss has its own formula: gspo does not
+    clamp log r) nothing is added beside it. A loss without one (gpg, a loss the user registered) gets
+    ``rollout_correction/ppo_k1_mean``: vanilla's ``masked_mean(-log r, mask)`` with log r clamped to +-20,
+    named for its estimator (it is signed). The clip fractions are the loss's own (``actor/pg_clipfrac``,
+    ``actor/pg_clipfrac_lower``): each verl loss computes them over the mask handed to it, with its own ratio
+    (gspo's sequence ratio) and the clip range it reads from verl's config; a token-level copy next to them
+    would say something else. Under verl's bypass the core's diagnostics of pi_theta against pi_rollout take
+    verl's ``rollout_corr/*`` names where verl's bypass loss logs the same formula.
     """
-    def count(m, seq=False):
-        m = m.to(torch.float32)
-        return float((m.sum(-1) > 0).sum()) if seq else float(m.sum())
-
-    n_kept, n_side = count(mask), count(side_mask)
-    if own_kl is None:
-        with torch.no_grad():
-            log_ratio = (cur.detach().to(torch.float32) - old.to(torch.float32)).clamp(-20.0, 20.0)
-            own_kl = float((-log_ratio * mask.to(torch.float32)).sum()) / max(n_kept, 1.0)
-    sums = {"policy/ppo_kl": (float(own_kl), 1.0, "mean")}
-    n_valid = count(side_mask.bool() | nonfinite_valid)  # every valid token, trainable or not
-    sums["policy/nonfinite_frac"] = (float(nonfinite_valid.sum()), n_valid, "token")
-    if side is not None:
+    sums: dict[str, tuple[float, float, str]] = {}
+    if not own_kl:
+        sums["rollout_correction/ppo_k1_mean"] = (got["k1"] / max(got["n_kept"], 1.0), 1.0, "mean")
+    sums["rollout_correction/loss_nonfinite_frac"] = (got["nonfinite"], got["n_valid"], "token")
+    if has_side:
+        n_side = got["n_side"]
         for key in ("loss_contrib_pos", "loss_contrib_neg"):  # the core's: sum C / (tokens it read)
             name = f"rollout_correction/{key}"
-            if name in side.metrics:
-                sums[name] = (side.metrics[name] * n_side, n_side, "token")
-        sums["rollout_correction/off_policy_masked_frac"] = (
-            float(side.off_policy_masked.sum()), count(side_mask, seq=True), "seq")
+            if name in side_metrics:
+                sums[name] = (side_metrics[name] * n_side, n_side, "token")
+        sums["rollout_correction/off_policy_masked_frac"] = (got["off_policy"], got["side_seqs"], "seq")
         if bypass_in_loss:
-            for name, value in side.metrics.items():
+            for name, value in verl_names(side_metrics, cfg).items():
                 if name not in sums and not name.endswith(("nonfinite_frac", "off_policy_masked_frac")):
                     sums[name] = (value, 1.0, "mean")
     return sums
