@@ -105,10 +105,12 @@ def report(runs: list[dict]) -> None:
     for (test, name, op, limit), recs in sorted(by_bound.items()):
         values = [float(r["value"]) for r in recs]
         worst, m = margin(op, limit, values)
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        finite = [v for v in values if math.isfinite(v)]  # a gap can be inf (no common token): no mean then
+        mean = statistics.fmean(finite) if len(finite) == len(values) else math.nan
+        sd = statistics.stdev(finite) if len(finite) == len(values) > 1 else math.nan
         failed = sum(not r["held"] for r in recs)
         print(f"\n{test}\n  {name}: {op} {limit:g}  n={len(values)}  min {min(values):.3g}  max {max(values):.3g}  "
-              f"mean {statistics.fmean(values):.3g} ± {sd:.2g}  worst {worst:.3g}  margin {m:.2f}x"
+              f"mean {mean:.3g} ± {sd:.2g}  worst {worst:.3g}  margin {m:.2f}x"
               + (f"  FAILED {failed}" if failed else ""))
         print("    " + ", ".join(f"{r['condition']}: {float(r['value']):.3g}" for r in recs))
 
@@ -132,6 +134,7 @@ def main(argv=None) -> int:
     extra = ["-k", args.keyword] if args.keyword else []
     base = dict(os.environ)
     orders = ["as collected"] + (["reversed"] if args.reverse else [])
+    command = "wt-run python scripts/measure_spread.py " + " ".join(argv if argv is not None else sys.argv[1:])
     runs = []
     with tempfile.TemporaryDirectory(prefix="spread-") as tmp:
         for i, (threads, seed, order, rep) in enumerate(itertools.product(args.threads, args.seeds, orders,
@@ -145,13 +148,12 @@ def main(argv=None) -> int:
                      + (f", after {' '.join(args.before)}" if args.before else "")
                      + (f", run {rep + 1}" if args.runs > 1 else ""))
             runs.append(run_condition([*args.before, *targets], extra, env, log, label, args.verbose))
+            if args.save:  # after every condition: a long measurement stopped midway keeps what it measured
+                args.save.parent.mkdir(parents=True, exist_ok=True)
+                args.save.write_text(json.dumps(summary(runs, command), indent=1) + "\n")
     report(runs)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
-    if args.save:
-        command = "wt-run python scripts/measure_spread.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        args.save.parent.mkdir(parents=True, exist_ok=True)
-        args.save.write_text(json.dumps(summary(runs, command), indent=1) + "\n")
     held = all(r["held"] for run in runs for r in run["records"])  # bounds record a miss and let the test go on
     return 0 if held and all(r["returncode"] == 0 for r in runs) else 1
 
