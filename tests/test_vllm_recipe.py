@@ -40,17 +40,19 @@ def test_contradicting_overrides_are_rejected(bad):
 
 
 def test_version_gating():
-    with pytest.raises(VllmKnobMissingError, match="head_dtype.*0.31"):
-        vllm_parity_kwargs(fp32_lm_head=True, vllm_version="0.30.2")
-    assert "hf_overrides" not in vllm_parity_kwargs(vllm_version="0.30.2")
+    with pytest.raises(VllmKnobMissingError, match="head_dtype.*0.26"):
+        vllm_parity_kwargs(fp32_lm_head=True, vllm_version="0.25.1")
+    assert vllm_parity_kwargs(fp32_lm_head=True, vllm_version="0.26.0")["hf_overrides"] == {"head_dtype": "float32"}
+    assert "hf_overrides" not in vllm_parity_kwargs(vllm_version="0.25.1")
     with pytest.raises(VllmKnobMissingError, match="logprobs_mode"):
         vllm_parity_kwargs(vllm_version="0.9.2")
     with pytest.raises(ValueError, match="head_dtype"):
         vllm_parity_kwargs(True, vllm_version="0.31.0", hf_overrides={"head_dtype": "bfloat16"})
     assert vllm_parity_kwargs(vllm_version="0.31.0", sampling_replay=True)["return_sampling_mask"] is True
     assert "return_sampling_mask" not in vllm_parity_kwargs(vllm_version="0.31.0")
-    with pytest.raises(VllmKnobMissingError, match="return_sampling_mask"):
-        vllm_parity_kwargs(vllm_version="0.30.2", sampling_replay=True)
+    with pytest.raises(VllmKnobMissingError, match="rollout_sampling_replay.*vLLM 0.27.0 lacks.*>= 0.28.0"):
+        vllm_parity_kwargs(vllm_version="0.27.0", sampling_replay=True)
+    assert vllm_parity_kwargs(vllm_version="0.28.0", sampling_replay=True)["return_sampling_mask"] is True
     assert vr._parse_version("0.31.0+cpu") == (0, 31, 0)
     assert vr._parse_version("0.10.1rc2.dev3") == (0, 10, 1)
 

@@ -11,9 +11,11 @@ from typing import Any, Callable, Mapping, Optional
 
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
+from rollout_parity.core.vllm_features import installed_vllm_version, require_vllm_feature
 
 __all__ = ["SAMPLER_PENALTIES", "HEAD_MODIFIERS", "ENGINE_SIDE_FLAGS", "needs_rollout_logprobs", "active_penalties",
-           "head_modifiers", "refuse_unmatched_sampler", "refuse_replay", "refuse_engine_side_flags", "describe_flags"]
+           "head_modifiers", "refuse_unmatched_sampler", "refuse_replay", "refuse_engine_side_flags", "describe_flags",
+           "VLLM_FEATURE_OF_FLAG", "refuse_missing_vllm_features"]
 
 #: vLLM ``SamplingParams`` that change its processed logprobs in ways no trainer log-prob reproduces.
 SAMPLER_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
@@ -24,6 +26,9 @@ HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "output_multiplier",
 _NEUTRAL = (None, 1, 1.0, 0, 0.0, [], {}, ())
 #: Flags that act on the framework's weight sync or its model's routers, not on the loss (docs/moe.md).
 ENGINE_SIDE_FLAGS = ("weight_sync_check_interval", "moe_routing_replay")
+#: Flags that need a capability of the engine's vLLM (its first release: ``core/vllm_features.py``).
+VLLM_FEATURE_OF_FLAG = {"rollout_sampling_replay": "return_sampling_mask",
+                        "moe_routing_replay": "enable_return_routed_experts"}
 
 
 def _items(values: Mapping[str, Any]) -> str:
@@ -103,3 +108,12 @@ def refuse_replay(cfg: CorrectionConfig, sampler: SamplerSettings) -> None:
         raise ValueError(f"rollout_sampling_replay=True with top_k={sampler.top_k}: vLLM returns kept sets only for "
                          "requests with top_k > 0 (to bound their size); set top_k (the vocabulary size keeps top-p "
                          "alone in charge)")
+
+
+def refuse_missing_vllm_features(cfg: CorrectionConfig, version: Optional[str] = None) -> None:
+    """Refuse a flag whose vLLM capability the engine's vLLM ``version`` (default: the installed one) lacks,
+    naming the first release that has it (``core/vllm_features.py``); before any model or engine is built."""
+    version = installed_vllm_version() if version is None else version
+    for flag, feature in VLLM_FEATURE_OF_FLAG.items():
+        if getattr(cfg, flag):
+            require_vllm_feature(feature, version, option=f"{flag}=True")
