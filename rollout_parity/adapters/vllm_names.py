@@ -218,20 +218,38 @@ def check_installed(version: Optional[str] = None) -> list[str]:
 
 
 class _Source:
-    """Resolve ``module:Qualified.name`` in a vLLM source tree with :mod:`ast` (re-exports followed)."""
+    """Resolve ``module:Qualified.name`` in a vLLM source tree or wheel with :mod:`ast` (re-exports followed)."""
 
     def __init__(self, root: Path) -> None:
         root = Path(root)
-        self.root = root.parent if (root / "__init__.py").is_file() and root.name == "vllm" else root
-        if not (self.root / "vllm" / "__init__.py").is_file():
-            raise FileNotFoundError(f"no vllm/__init__.py under {root}")
+        if root.is_file() and root.suffix == ".whl":
+            import zipfile
+
+            self._zip: Optional[zipfile.ZipFile] = zipfile.ZipFile(root)
+            self._names = set(self._zip.namelist())
+            self.root = root
+        else:
+            self._zip, self._names = None, set()
+            self.root = root.parent if (root / "__init__.py").is_file() and root.name == "vllm" else root
+        if not self._is_file("vllm/__init__.py"):
+            raise FileNotFoundError(f"no vllm/__init__.py in {root}")
         self._trees: dict[str, Optional[ast.Module]] = {}
+
+    def _is_file(self, rel: str) -> bool:
+        return rel in self._names if self._zip is not None else (self.root / rel).is_file()
+
+    def read(self, rel: str) -> Optional[str]:
+        if not self._is_file(rel):
+            return None
+        return self._zip.read(rel).decode() if self._zip is not None else (self.root / rel).read_text()
 
     def tree(self, module: str) -> Optional[ast.Module]:
         if module not in self._trees:
-            base = self.root.joinpath(*module.split("."))
-            path = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
-            self._trees[module] = ast.parse(path.read_text(), str(path)) if path.is_file() else None
+            base = module.replace(".", "/")
+            text = self.read(f"{base}.py")
+            if text is None:
+                text = self.read(f"{base}/__init__.py")
+            self._trees[module] = ast.parse(text) if text is not None else None
         return self._trees[module]
 
     def find(self, module: str, name: str, depth: int = 0) -> Optional[tuple[str, ast.AST]]:
@@ -270,7 +288,7 @@ class _Source:
         if not node.level:
             return node.module or ""
         package = module.split(".")
-        is_pkg = (self.root.joinpath(*package) / "__init__.py").is_file()
+        is_pkg = self._is_file("/".join(package) + "/__init__.py")
         base = package if is_pkg else package[:-1]
         base = base[: len(base) - (node.level - 1)]
         return ".".join(base + ([node.module] if node.module else []))
@@ -323,7 +341,7 @@ def check_source(root: str | Path, version: Optional[str] = None) -> list[str]:
     ``version`` gates the feature-bound names; default: the tree's ``vllm/_version.py`` or ``version.py``, else
     every name applies."""
     src = _Source(Path(root))
-    version = version or _tree_version(src.root)
+    version = version or _tree_version(src)
     problems = []
     for name in VLLM_NAMES:
         if not _applies(name, version):
@@ -349,25 +367,24 @@ def check_source(root: str | Path, version: Optional[str] = None) -> list[str]:
     return problems
 
 
-def _tree_version(root: Path) -> Optional[str]:
+def _tree_version(src: _Source) -> Optional[str]:
     for rel in ("vllm/_version.py", "vllm/version.py"):
-        path = root / rel
-        if path.is_file():
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in ("__version__", "version")
-                                                        for t in node.targets):
-                    if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                        try:
-                            parse_vllm_version(node.value.value)
-                            return node.value.value
-                        except ValueError:
-                            pass
+        text = src.read(rel)
+        for node in ast.walk(ast.parse(text)) if text else ():
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in ("__version__", "version")
+                                                    for t in node.targets):
+                if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                    try:
+                        parse_vllm_version(node.value.value)
+                        return node.value.value
+                    except ValueError:
+                        pass
     return None
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
-    """``python -m rollout_parity.adapters.vllm_names [PATH] [--version V]``: check a vLLM source tree (PATH: a
-    directory holding ``vllm/``, or ``vllm/`` itself, e.g. an unpacked wheel), or without PATH the installed vLLM.
+    """``python -m rollout_parity.adapters.vllm_names [PATH] [--version V]``: check a vLLM source tree or wheel (PATH:
+    a directory holding ``vllm/``, ``vllm/`` itself, or a ``.whl``), or without PATH the installed vLLM.
     Prints one line per problem and a summary; exits 1 on a problem."""
     import argparse
 
@@ -378,7 +395,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     parser.add_argument("--version", help="the release the tree is (gates feature-bound names)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.path:
-        version = args.version or _tree_version(_Source(Path(args.path)).root)
+        version = args.version or _tree_version(_Source(Path(args.path)))
         problems, what = check_source(args.path, version), f"vLLM source at {args.path}"
     else:
         version = args.version or installed_vllm_version()
