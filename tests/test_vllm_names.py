@@ -53,6 +53,11 @@ def test_every_name_holds_in_the_installed_vllm_source_and_both_readers_agree(mo
     assert [line.split(":")[1].split(" ")[0] for line in source] == \
         ["LLM.generate_renamed", "LLM.collective_rpc", "CompletionOutput", "NoSuchClass"]
     assert "no_such_parameter" in source[1] and "no_such_member" in source[2]
+    # A feature-gated name is required only from its feature's first release, by both readers.
+    gated = VllmName("vllm.outputs:NoSuchMask", "t", feature="return_sampling_mask")
+    monkeypatch.setattr(vllm_names, "VLLM_NAMES", (gated,))
+    assert check_installed(version="0.27.0") == [] == check_source(tree, version="0.27.0")
+    assert len(check_installed(version="0.28.0")) == 1 == len(check_source(tree, version="0.28.0"))
 
 
 @pytest.mark.vllm
