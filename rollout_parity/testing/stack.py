@@ -19,7 +19,7 @@ import os
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["FRAMEWORK_MARKERS", "require_stack", "require_anchors", "need", "missing"]
+__all__ = ["FRAMEWORK_MARKERS", "require_stack", "require_anchors", "need", "missing", "need_vllm_feature"]
 
 #: The framework markers the suite counts in its summary, with what each means.
 FRAMEWORK_MARKERS = {
@@ -66,3 +66,20 @@ def need(module: str, *, extra: Optional[str] = None) -> ModuleType:
         hint = f" (pip install 'rollout-parity[{extra}]')" if extra else ""
         missing(module, f"{type(exc).__name__}: {exc}{hint}")
         raise  # unreachable: missing() always raises
+
+
+def need_vllm_feature(feature: str) -> None:
+    """Skip a test (or module) that runs a vLLM feature the installed release lacks (``core/vllm_features.py``).
+
+    Not a missing framework: the options that need the feature are refused by name on such a release, which
+    ``tests/test_vllm_features.py`` checks there. The reason names the release and the first one that has it.
+    """
+    import pytest
+
+    from rollout_parity.core.vllm_features import VLLM_FEATURES, installed_vllm_version, vllm_has
+
+    version = installed_vllm_version()
+    if not vllm_has(feature, version):
+        f = VLLM_FEATURES[feature]
+        pytest.skip(f"vLLM {version} lacks {feature} (vLLM >= {f.since}): {', '.join(f.flags) or 'it'} is refused by "
+                    "name there (tests/test_vllm_features.py)", allow_module_level=True)
