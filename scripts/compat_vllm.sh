@@ -105,7 +105,8 @@ for version in "$@"; do
   [ "$has_verl" = 1 ] || { expr="$expr and not verl"; exclude='pytestmark.*(deepspeed|nemo_gym|verl)'; }
   [ -n "${ROLLOUT_PARITY_COMPAT_MARKERS:-}" ] && expr="($expr) and ($ROLLOUT_PARITY_COMPAT_MARKERS)"
   if [ -n "${ROLLOUT_PARITY_COMPAT_FILES:-}" ]; then
-    read -r -a files <<< "$ROLLOUT_PARITY_COMPAT_FILES"
+    # shellcheck disable=SC2206
+    files=( $ROLLOUT_PARITY_COMPAT_FILES )
   else
     mapfile -t files < <(cd "$here" && grep -lE 'pytest\.mark\.(vllm|trl)\b' tests/test_*.py integration_tests/test_*.py |
                          xargs grep -LE "$exclude")
