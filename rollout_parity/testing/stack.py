@@ -71,7 +71,7 @@ def need(module: str, *, extra: Optional[str] = None) -> ModuleType:
 def need_vllm_feature(feature: str) -> None:
     """Skip a test (or module) that runs a vLLM feature the installed release lacks (``core/vllm_features.py``).
 
-    Not a missing framework: the options that need the feature are refused by name on such a release, which
+    Not a missing framework: an option that needs the feature is refused by name on such a release, which
     ``tests/test_vllm_features.py`` checks there. The reason names the release and the first one that has it.
     """
     import pytest
@@ -81,5 +81,5 @@ def need_vllm_feature(feature: str) -> None:
     version = installed_vllm_version()
     if not vllm_has(feature, version):
         f = VLLM_FEATURES[feature]
-        pytest.skip(f"vLLM {version} lacks {feature} (vLLM >= {f.since}): {', '.join(f.flags) or 'it'} is refused by "
-                    "name there (tests/test_vllm_features.py)", allow_module_level=True)
+        refused = f"; {', '.join(f.flags)} refused by name there (tests/test_vllm_features.py)" if f.flags else ""
+        pytest.skip(f"vLLM {version} lacks {f.what} (vLLM >= {f.since}){refused}", allow_module_level=True)
