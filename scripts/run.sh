@@ -61,6 +61,7 @@ case "$cmd" in
     if [ "$whole" = 1 ] && [ -n "$legs" ]; then
       # shellcheck disable=SC2086
       ROLLOUT_PARITY_COMPAT_FILES="${ROLLOUT_PARITY_COMPAT_FILES-$ci_leg_files}" \
+        ROLLOUT_PARITY_COMPAT_CHECK="${ROLLOUT_PARITY_COMPAT_CHECK-0}" \
         ROLLOUT_PARITY_COMPAT_RESULTS="${ROLLOUT_PARITY_COMPAT_RESULTS:-$HOME/.cache/rollout-parity/compat/ci-results.txt}" \
         bash "$here/scripts/compat.sh" vllm $legs || rc=1
     fi
