@@ -86,7 +86,6 @@ RECORDS = {
     "rollout_parity.core.token_ids.MessageTokenIds": "message_token_ids's result",
     "rollout_parity.doctor.rows.RowSpec": "the doctor's fixed table of rows (ROW_SPECS)",
     "rollout_parity.core.vllm_features.VllmFeature": "one row of the fixed table of vLLM features (VLLM_FEATURES)",
-    "rollout_parity.adapters.vllm_names.VllmName": "one row of the fixed table of vLLM-internal names (VLLM_NAMES)",
     "rollout_parity.check.report.CheckResult": "one check's result in the report",
     "rollout_parity.check.report.FrameworkReport": "one framework's result in the report",
 }

@@ -34,7 +34,7 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
     """
     from trl.generation import vllm_generation
 
-    from rollout_parity.adapters.vllm_names import check_vllm_names
+    from rollout_parity.adapters._vllm_names import check_vllm_names
     from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
     built: dict[str, Any] = {}

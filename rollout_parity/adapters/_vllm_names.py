@@ -11,8 +11,8 @@ Two readers use this one table:
   parameters, the class and its MRO for members). The adapters call :func:`check_vllm_names` (the names
   through ``_compat.check_framework``) before they build or patch an engine.
 * :func:`check_source` reads a vLLM source tree (an installed ``site-packages/vllm``, an unpacked wheel or
-  a git checkout) with :mod:`ast`, never importing it: how the suite and ``python -m
-  rollout_parity.adapters.vllm_names PATH`` check a vLLM that cannot be installed here (vLLM 0.33 has no
+  a git checkout) with :mod:`ast`, never importing it: how the suite and ``python
+  scripts/vllm_names.py PATH`` check a vLLM that cannot be installed here (vLLM 0.33 has no
   CPU build). The suite checks that both readers agree on the installed vLLM.
 
 A rename or a dropped parameter then fails a test (tests/test_vllm_names.py), not a user's run.
@@ -265,7 +265,7 @@ def check_source(root: str | Path, version: Optional[str] = None) -> list[str]:
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
-    """``python -m rollout_parity.adapters.vllm_names [PATH] [--version V]``: check a vLLM source tree or wheel (PATH:
+    """``python scripts/vllm_names.py [PATH] [--version V]``: check a vLLM source tree or wheel (PATH:
     a directory holding ``vllm/``, ``vllm/`` itself, or a ``.whl``), or without PATH the installed vLLM.
     Prints one line per problem and a summary; exits 1 on a problem."""
     import argparse
