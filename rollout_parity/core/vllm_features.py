@@ -54,8 +54,10 @@ _FEATURES = (
                 ("the parity recipe",)),
     VllmFeature("async_scheduling", "0.10.0", "the `async_scheduling` engine argument (older engines never "
                 "schedule asynchronously, so the recipe leaves it out)"),
+    # Not a refusal: below it, rollout-parity's vllm.general_plugins plugin gives every engine process the
+    # fp32 head the recipe's hf_overrides asks for (core/engine_head.py, adapters/vllm/plugin.py).
     VllmFeature("head_dtype", "0.26.0", "hf_overrides={'head_dtype': 'float32'} honoured for generation models "
-                "(LogitsProcessor._apply_head)", ("fp32_lm_head",)),
+                "(LogitsProcessor._apply_head)"),
     VllmFeature("return_sampling_mask", "0.28.0", "each sampled token's kept set (`return_sampling_mask`, "
                 "CompletionOutput.sampling_mask)", ("rollout_sampling_replay",)),
     VllmFeature("enable_return_routed_experts", "0.20.0", "each token's routed experts "
