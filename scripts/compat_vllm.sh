@@ -140,6 +140,7 @@ for version in "$@"; do
   # Each test that failed or errored, by id: a red cell names what is red.
   red="$(grep -E '^(FAILED|ERROR) ' "$log" | sed -E 's/^(FAILED|ERROR) //; s/ - .*//' | paste -sd ' ' | cut -c1-900)"
   [ -n "$red" ] && line="$line; red: $red"
+  grep -q KeyboardInterrupt "$log" && line="$line; interrupted before the end"
   echo "$line" | tee -a "$results"
 done
 exit $status

@@ -69,7 +69,8 @@ def render_matrix(lines: list[str]) -> str:
         red = next((p[len("red: "):] for p in parts if p.startswith("red: ")), "")
         seconds = next((p for p in parts if re.fullmatch(r"\d+s", p)), "")
         red_cell = ", ".join(f"`{t}`" for t in red.split()) if red else "none"
-        rows.append(f"| {version} | {m['date']} | {_cell(m['stack'] or '')} | **{m['verdict']}** | "
+        verdict = f"**{m['verdict']}**" + (" (interrupted)" if "interrupted before the end" in parts else "")
+        rows.append(f"| {version} | {m['date']} | {_cell(m['stack'] or '')} | {verdict} | "
                     f"{_cell(tests)}{f' ({seconds})' if seconds else ''} | {red_cell} |")
     missing = [v for v in MATRIX_VLLM if v not in newest]
     note = f"\nNo result line yet for: {', '.join(missing)}.\n" if missing else ""
