@@ -75,6 +75,20 @@ def test_the_command_passes_on_this_stack(tmp_path):
     for line in ("TRL ", "verl ", "NeMo RL ", "vLLM ", "all checks passed; skipped (not run, not passed): none"):
         assert line in proc.stdout, line
     assert data["seconds"] < 240  # the issue's budget with the live probe
+    # stdout is the table: the frameworks' own output (and our adapter's one line per process) is on stderr
+    assert "[rollout-parity]" not in proc.stdout and proc.stderr.count("TRL adapter active") == 1
+
+
+@pytest.mark.slow
+def test_json_dash_prints_only_json_on_stdout():
+    """``check --json -`` is for a pipe: stdout parses as JSON, whatever the frameworks print (a DeepSpeed
+    warning, the adapter's active line: once per process, on stderr)."""
+    need("trl", extra="trl")
+    proc = command("--json", "-", "--only", "core,trl", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert [f["key"] for f in data["frameworks"]] == ["core", "trl"] and data["ok"]
+    assert proc.stderr.count("[rollout-parity] TRL adapter active") == 1
 
 
 # ----------------------------------------------------------------------------- per framework, in process

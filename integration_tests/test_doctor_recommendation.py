@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -24,6 +26,8 @@ import yaml
 from rollout_parity import CorrectionConfig
 from rollout_parity.doctor import framework_lines
 from rollout_parity.testing.stack import need
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {
     "tis_srs_k3+fp32": CorrectionConfig.preset("tis_srs_k3", fp32_lm_head=True),
@@ -34,6 +38,7 @@ CASES = {
         rollout_importance_sampling_mode="sequence_truncate",
         rollout_importance_sampling_sequence_reduction="product", rollout_rejection=["seq_mean_k1", "token_k3"],
         rollout_rejection_threshold=["0.5_2.0", 0.01], off_policy_sequence_mask_delta=0.3, fp32_lm_head=True),
+    "k1 pair": CorrectionConfig(rollout_rejection=["seq_mean_k1"], rollout_rejection_threshold=[0.95, 1.05]),
 }
 
 
@@ -96,3 +101,78 @@ def test_nemo_rl_yaml_builds_the_same_loss_and_generation_config(name):
     check_nemo_rl_vllm_kwargs(policy["generation"]["vllm_kwargs"])
     assert policy["generation"]["vllm_cfg"]["logprobs_mode"] == "processed_logprobs"
     assert "hf_config_overrides" not in policy
+
+
+# ----------------------------------------------------------------------------- the lines as printed
+
+
+def _printed(cfg: CorrectionConfig) -> tuple[CorrectionConfig, dict[str, list[str]]]:
+    """``format_recommendation``'s text for a report evaluated with ``cfg``, cut at its headings.
+
+    The report's rows make the fp32 step matter (so the lines carry ``fp32_lm_head``) and carry no
+    length advice (so the lines keep ``cfg``'s rejection): the lines must give back ``expected``."""
+    from rollout_parity.doctor import format_recommendation, recommend
+
+    def row(name, d, **extra):
+        return dict(row=name, delta_abs_mean=d, clipped_frac=0.0, rejected_token_frac=0.0, rejected_seq_frac=0.0,
+                    tokens_per_s=1.0, vs_a=1.0, **extra)
+
+    report = dict(rows=[row("a", 5e-2), row("b", 4e-3), row("c", 4e-3), row("d", 1e-3)],
+                  correction_preset="custom", correction_config=cfg.to_dict(), sampling=dict(max_tokens=8),
+                  lengths=dict(response_length=None, advice={}))
+    report["recommendation"] = recommend(report)
+    blocks: dict[str, list[str]] = {}
+    current = None
+    for line in format_recommendation(report).splitlines():
+        if line.startswith(("verl (", "TRL (", "TRL, an unmodified", "NeMo RL (")):
+            current = line.split(" (")[0].split(",")[0] + (" launch" if "unmodified" in line else "")
+            blocks[current] = [line]
+        elif current is not None and line.strip():
+            blocks[current].append(line)
+    return cfg.replace(fp32_lm_head=True, log_rollout_offpolicy_metrics=False), blocks
+
+
+@pytest.mark.verl
+@pytest.mark.trl
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_printed_line_runs_under_the_command_it_names(name, tmp_path):
+    """Each block of the doctor's printed recommendation, pasted as printed, through the real parser of the
+    command it names: verl's Hydra config, TRL's ``TrlParser``, ``rollout-parity launch`` (its script
+    exists), and the NeMo RL YAML through the block reader ``rollout-parity launch`` hooks into NeMo RL."""
+    need("verl", extra="verl")
+    need("trl", extra="trl")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from trl import TrlParser
+    from verl.trainer.ppo import core_algos
+
+    from rollout_parity.adapters.nemo_rl import split_loss_config
+    from rollout_parity.adapters.trl import ParityGRPOConfig
+    from rollout_parity.adapters.verl import correction_config_from_verl
+    from rollout_parity.launcher import correction_from_args, parse_args
+
+    expected, blocks = _printed(CASES[name])
+    assert list(blocks) == ["verl", "TRL", "TRL launch", "NeMo RL"]
+    # verl: "add to python -m verl.trainer.main_ppo ...": the override lines, continued with backslashes
+    assert "python -m verl.trainer.main_ppo" in blocks["verl"][0]
+    overrides = shlex.split(" ".join(line.rstrip("\\") for line in blocks["verl"][1:]))
+    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=[
+            "actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.rollout.name=vllm", *overrides])
+    assert correction_config_from_verl(config) == expected
+    # TRL: a script parsing ParityGRPOConfig with TrlParser
+    (trl_line,) = blocks["TRL"][1:]
+    argv = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none", *shlex.split(trl_line)]
+    assert TrlParser(ParityGRPOConfig).parse_args_and_config(argv)[0].correction_config() == expected
+    # rollout-parity launch FLAGS script.py: the flags, then the script untouched
+    (launch_line,) = blocks["TRL launch"][1:]
+    words = shlex.split(launch_line)
+    assert words[:2] == ["rollout-parity", "launch"]
+    args = parse_args(words[2:])
+    assert correction_from_args(args) == expected
+    assert args.target == ["examples/trl_grpo.py"] and (ROOT / args.target[0]).is_file()
+    # NeMo RL: the YAML to merge into the recipe, read as rollout-parity launch's hook reads loss_fn
+    assert "NeMo RL's own examples/run_grpo.py" in blocks["NeMo RL"][0]
+    doc = OmegaConf.create(yaml.safe_load(textwrap.dedent("\n".join(blocks["NeMo RL"][1:]))))
+    assert split_loss_config(doc.loss_fn)[0] == expected.replace(fp32_lm_head=False)  # NeMo RL refuses it, said so

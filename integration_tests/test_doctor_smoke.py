@@ -27,10 +27,10 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("doctor")
     report_path, plot_path = tmp / "doctor.json", tmp / "doctor.png"
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
-    cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--num-prompts", str(PROMPTS), "--samples",
-           str(SAMPLES), "--max-tokens", str(TOKENS), "--steps", str(STEPS), "--sentences", "4",
-           "--rows", ",".join(ROWS), "--json", str(report_path), "--plot", str(plot_path), "--no-progress",
-           "--fail-above", "5e-3"]
+    cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--num_prompts", str(PROMPTS), "--samples",
+           str(SAMPLES), "--max_tokens", str(TOKENS), "--steps", str(STEPS), "--sentences", "4",
+           "--rows", ",".join(ROWS), "--json", str(report_path), "--plot", str(plot_path), "--no_progress",
+           "--fail_above", "5e-3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(report_path.read_text()), plot_path

@@ -503,7 +503,7 @@ def test_refusals_name_the_keys(nemo):
                truncated_importance_sampling_ratio=2.0)
     with pytest.raises(ValueError, match="twice.*truncated_importance_sampling_type"):
         ours_from(tis, {"rollout_importance_sampling_mode": "token_truncate"})
-    with pytest.raises(ValueError, match="unknown correction flag"):
+    with pytest.raises(ValueError, match="unknown flag loss_fn.rollout_correction.rollout_is_mode"):
         ours_from(NO_KL, {"rollout_is_mode": "x"})
     # Our own entry reads a recipe's block as written: the guard only stops NeMo RL's reading.
     raw = RolloutParityLossFn.from_nemo_config({"rollout_parity": "${rollout_parity:}", "rollout_correction": {}})

@@ -135,6 +135,20 @@ def test_recipe_with_the_block_without_the_hook_stops_at_config_load(nemo, tmp_p
     assert "loss_fn.rollout_parity" in str(info.value)
 
 
+def test_a_k1_range_yaml_read_as_a_number_is_refused_at_setup(nemo, hook, tmp_path):
+    """``rollout_rejection_threshold: 0.9_1`` in a recipe is the number 0.91 (OmegaConf's YAML): refused with the
+    quoting fix; quoted, or as a pair, it is the range [0.9, 1.1]."""
+    from rollout_parity.core.config import FlagError
+
+    block = "loss_fn:\n  rollout_correction:\n    rollout_rejection: [seq_mean_k1]\n    rollout_rejection_threshold: {}\n"
+    with pytest.raises(FlagError, match=r"got 0.91.*quote it \('0.9_1.1'\) or write the pair \[0.9, 1.1\]"):
+        setup(nemo, master_config(nemo, recipe(tmp_path, block.format("0.9_1"))))
+    for written in ("'0.9_1.1'", "[0.9, 1.1]"):
+        loss_fn = setup(nemo, master_config(nemo, recipe(tmp_path, block.format(written))))[6]
+        rule = loss_fn.correction.rejection_rules[0]
+        assert (rule.option, rule.lower, rule.upper) == ("seq_mean_k1", 0.9, 1.1)
+
+
 def test_recipe_without_the_block_keeps_nemos_own_loss_under_the_hook(nemo, hook, tmp_path):
     out = setup(nemo, master_config(nemo, recipe(tmp_path, block=False)))
     assert type(out[6]) is nemo.loss_functions.ClippedPGLossFn
@@ -313,6 +327,14 @@ def test_launch_without_the_block_and_the_script_without_launch(tmp_path):
     result = launch(tmp_path, version, "run_grpo.py", "--config", str(with_block))
     assert result.returncode != 0
     assert "UnsupportedInterpolationType" in result.stderr and "loss_fn.rollout_parity" in result.stderr
+    # A typo in the recipe's block: one line naming the closest flag, no traceback (rollout-parity launch).
+    typo = recipe(tmp_path, f"logger:\n  log_dir: {tmp_path}\nloss_fn:\n  rollout_correction:\n"
+                            "    rollout_importance_sampling_mod: token_mask\n")
+    result = launch(tmp_path, version, "launch", "run_grpo.py", "--config", str(typo))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rollout-parity launch: unknown flag loss_fn.rollout_correction.rollout_importance_sampling_mod "
+        "(did you mean 'loss_fn.rollout_correction.rollout_importance_sampling_mode'?)")
     # Shared flags on the launcher's command line are not NeMo RL's way: refused, not dropped.
     result = launch(tmp_path, version, "launch", "--rollout_importance_sampling_mode", "token_mask",
                     "run_grpo.py", "--config", str(with_block))

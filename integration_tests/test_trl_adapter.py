@@ -49,6 +49,7 @@ from integration_tests.support.trl_runs import (  # noqa: E402
 from rollout_parity import CorrectionConfig  # noqa: E402
 from rollout_parity.adapters import _compat  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
+from rollout_parity.adapters.trl import patches as trl_patches  # noqa: E402
 from rollout_parity.adapters.trl import (  # noqa: E402
     MissingRolloutLogprobsError,
     ParityGRPOConfig,
@@ -702,13 +703,20 @@ def test_missing_trl_names_the_extra():
     assert "pip install rollout-parity[trl]" in proc.stderr
 
 
-def test_apply_logs_every_patch(run, caplog, capsys):
+def test_apply_logs_every_patch(run, caplog, capsys, monkeypatch):
     trainer, _ = run
     trl_adapter.revert(trainer)
+    monkeypatch.setattr(trl_patches, "_announced", [])  # as in a fresh process
     with caplog.at_level(logging.INFO, logger="rollout_parity.adapters.trl"):
         trl_adapter.apply(trainer, CORRECTION)
-    # one line every process prints whatever the logging setup (docs/trl.md: seeing it active on every node)
-    assert f"[rollout-parity] TRL adapter active in pid {os.getpid()} on " in capsys.readouterr().out
+        trl_adapter.revert(trainer)
+        trl_adapter.apply(trainer, CORRECTION)
+    # one line every process prints whatever the logging setup (docs/trl.md: seeing it active on every node),
+    # on stderr (stdout is the script's: `rollout-parity check --json -`), once per process
+    out, err = capsys.readouterr()
+    line = f"[rollout-parity] TRL adapter active in pid {os.getpid()} on "
+    assert line not in out and err.count(line) == 1
+    assert caplog.text.count(line) == 1  # the second trainer: logged, not printed
     for name in ("_generate", "_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_compute_loss"):
         assert f"patched ParityGRPOTrainer.{name}" in caplog.text
         assert trainer.__dict__[name].__wrapped__.__func__ is getattr(type(trainer), name)

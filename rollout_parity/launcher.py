@@ -35,30 +35,36 @@ import sys
 import typing
 from typing import Any, Callable, Optional, Sequence
 
-from rollout_parity.core.config import LIST_FLAGS, CorrectionConfig, flag_from_text
+from rollout_parity._argv import add_switch, normalise_switches, spellings
+from rollout_parity.core.config import LIST_FLAGS, CorrectionConfig, FlagError, flag_from_text
 
-__all__ = ["main", "build_parser", "install", "correction_from_args"]
+__all__ = ["main", "build_parser", "parse_args", "install", "correction_from_args"]
 
+PROG = "rollout-parity launch"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rollout-parity launch",
+        prog=PROG, allow_abbrev=False,
         description="Run a TRL GRPO script unmodified with rollout-parity's shared flags: the script's "
-                    "trl.GRPOConfig / trl.GRPOTrainer become ParityGRPOConfig / ParityGRPOTrainer.",
+                    "trl.GRPOConfig / trl.GRPOTrainer become ParityGRPOConfig / ParityGRPOTrainer. A NeMo RL "
+                    "script (one importing nemo_rl) runs with the NeMo RL hook on and takes the flags from its "
+                    "recipe's loss_fn.rollout_correction instead. Options are snake_case (the kebab-case "
+                    "spelling is an alias), switches take an optional true/false, and nothing is abbreviated.",
         epilog="Example: rollout-parity launch --rollout_importance_sampling_mode token_truncate "
                "trl/scripts/grpo.py --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/DeepMath-103K "
                "--use_vllm",
     )
     parser.add_argument("--preset", default=None,
-                        help=f"start from a correction preset ({', '.join(CorrectionConfig.available_presets())})")
+                        help=f"start from a correction preset ({', '.join(CorrectionConfig.available_presets())}); "
+                             "the flags given override it")
     for field in dataclasses.fields(CorrectionConfig):
         help_text = field.metadata.get("help", "")
-        if isinstance(field.default, bool):  # a switch: present means true
-            parser.add_argument(f"--{field.name}", action="store_true", default=None, help=help_text)
+        if isinstance(field.default, bool):  # a switch: present means true; true/false may follow
+            add_switch(parser, field.name, default=None, help=help_text)
         else:  # one value each, so the script's path is never taken for a flag value; lists are comma-separated
             metavar = "A,B" if field.name in LIST_FLAGS else "VALUE"
-            parser.add_argument(f"--{field.name}", default=None, metavar=metavar, help=help_text)
+            parser.add_argument(*spellings(field.name), default=None, metavar=metavar, help=help_text)
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE ...",
                         help="run a module as a script, with the arguments that follow (like python -m)")
     parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [script args...] (or the module's args)")
@@ -139,17 +145,33 @@ def _run(module: Optional[str], target: Sequence[str]) -> int:
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except FlagError as exc:  # a shared flag the script's config parser (TRL) or recipe (NeMo RL) refused
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     finally:
         sys.argv, sys.path[:] = argv, path
     return 0
 
 
-def main(argv: Sequence[str]) -> int:
-    """``rollout-parity launch``; returns the script's exit code (2 for a bad launcher flag)."""
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The launcher's options, then the script (or ``-m module``) and its arguments, untouched.
+
+    A switch right before the script (``--fp32_lm_head script.py``) is true, never given the path as
+    its value; an unknown or abbreviated option exits 2 with one line naming the closest one.
+    """
     parser = build_parser()
-    args = parser.parse_args(list(argv))
+    argv, refusal = normalise_switches(list(argv), parser, PROG, stop_at=("-m",))
+    if refusal is not None:
+        parser.exit(2, refusal + "\n")
+    args = parser.parse_args(argv)
     if not (args.module or args.target):
         parser.error("give a script (script.py [args...]) or -m module [args...]")
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    """``rollout-parity launch``; returns the script's exit code (2 for a bad launcher flag)."""
+    args = parse_args(argv)
     from rollout_parity.adapters.nemo_rl.turn_on import launch as launch_nemo_rl, targets_nemo_rl
 
     if targets_nemo_rl(script=None if args.module else args.target[0], module=args.module[0] if args.module else None):
@@ -159,7 +181,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         cfg = correction_from_args(args)
     except ValueError as exc:
-        print(f"rollout-parity launch: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     uninstall, built = install(cfg)
     try:

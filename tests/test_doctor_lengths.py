@@ -79,7 +79,7 @@ def test_dense_mismatch_moves_a_sum_to_the_mean_at_any_length():
         assert all(s <= BUDGET for per in advice["shares"].values() for s in per.values())
         assert sorted(advice["shares"]["d"]) == sorted(advice["checked_at"])
         if length is None:
-            assert advice["checked_at"] == [32, 1024, 8192] and "give --response-length" in advice["reason"]
+            assert advice["checked_at"] == [32, 1024, 8192] and "give --response_length" in advice["reason"]
         else:
             assert "dense mismatch" in advice["reason"] and f"{length:,}-token" in advice["reason"]
     # the mean it picked also holds on long answers drawn directly

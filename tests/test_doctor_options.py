@@ -129,21 +129,21 @@ DOCTOR_FLAGS = [
     (["--json", "/tmp/r.json"], "json_path", "/tmp/r.json"),
     (["--plot", "/tmp/p.png"], "plot_path", "/tmp/p.png"),
     (["--preset", "icepop"], "preset", "icepop"),
-    (["--num-prompts", "3"], "num_prompts", 3),
+    (["--num_prompts", "3"], "num_prompts", 3),
     (["--samples", "5"], "samples", 5),
-    (["--max-tokens", "7"], "max_tokens", 7),
+    (["--max_tokens", "7"], "max_tokens", 7),
     (["--steps", "2"], "steps", 2),
     (["--sentences", "3"], "sentences", 3),
     (["--temperature", "0.9"], "temperature", 0.9),
-    (["--top-k", "20"], "top_k", 20),
-    (["--top-p", "0.8"], "top_p", 0.8),
-    (["--min-p", "0.05"], "min_p", 0.05),
-    (["--update-scale", "0.05"], "update_scale", 0.05),
+    (["--top_k", "20"], "top_k", 20),
+    (["--top_p", "0.8"], "top_p", 0.8),
+    (["--min_p", "0.05"], "min_p", 0.05),
+    (["--update_scale", "0.05"], "update_scale", 0.05),
     (["--seed", "3"], "seed", 3),
-    (["--gpu-memory-utilization", "0.25"], "gpu_memory_utilization", 0.25),
+    (["--gpu_memory_utilization", "0.25"], "gpu_memory_utilization", 0.25),
     (["--threads", "2"], "threads", 2),
     (["--rows", "a,d"], "rows", ("a", "d")),
-    (["--no-progress"], "progress", False),
+    (["--no_progress"], "progress", False),
 ]
 
 
@@ -167,23 +167,23 @@ def test_fail_above_fails_the_command_only_above_its_value(monkeypatch, capsys):
     monkeypatch.setattr(doctor, "format_table", lambda report: "")
     monkeypatch.setattr(doctor, "format_recommendation", lambda report: "")
     monkeypatch.setattr(doctor, "run_doctor", lambda opts: _fake_report(8e-3))
-    assert cli.main(["doctor", "--no-progress"]) == 0
-    assert cli.main(["doctor", "--no-progress", "--fail-above", "1e-2"]) == 0
-    assert cli.main(["doctor", "--no-progress", "--fail-above", "5e-3"]) == 1
+    assert cli.main(["doctor", "--no_progress"]) == 0
+    assert cli.main(["doctor", "--no_progress", "--fail_above", "1e-2"]) == 0
+    assert cli.main(["doctor", "--no_progress", "--fail_above", "5e-3"]) == 1
     assert "8.000e-03 > 5.000e-03" in capsys.readouterr().err
     monkeypatch.setattr(doctor, "run_doctor", lambda opts: _fake_report(None))  # row d not run
-    assert cli.main(["doctor", "--no-progress", "--fail-above", "5e-3"]) == 1
+    assert cli.main(["doctor", "--no_progress", "--fail_above", "5e-3"]) == 1
 
 
 CHECK_FLAGS = [
     (["--model", "/models/m"], dict(model="/models/m")),
-    (["--nemo-rl-source", "/src/RL"], dict(nemo_rl_source="/src/RL")),
+    (["--nemo_rl_source", "/src/RL"], dict(nemo_rl_source="/src/RL")),
     (["--only", "core,verl"], dict(frameworks=("core", "verl"))),
     (["--skip", "vllm,nemo-rl"], dict(frameworks=("core", "trl", "verl"))),
     (["--require", "trl"], dict(require=("trl",))),
-    (["--max-delta", "0.01"], dict(max_delta=0.01)),
-    (["--gpu-memory-utilization", "0.5"], dict(gpu_memory_utilization=0.5)),
-    (["--no-progress"], dict(progress=False)),
+    (["--max_delta", "0.01"], dict(max_delta=0.01)),
+    (["--gpu_memory_utilization", "0.5"], dict(gpu_memory_utilization=0.5)),
+    (["--no_progress"], dict(progress=False)),
 ]
 
 
@@ -205,7 +205,7 @@ def test_each_check_flag_sets_its_option(monkeypatch, argv, fields):
 
 
 def test_skipping_every_framework_is_a_usage_error(capsys):
-    assert cli.main(["check", "--no-progress", "--skip", "core,trl,verl,nemo_rl,vllm"]) == 2
+    assert cli.main(["check", "--no_progress", "--skip", "core,trl,verl,nemo_rl,vllm"]) == 2
     assert "no framework left to check" in capsys.readouterr().err
 
 
@@ -214,7 +214,7 @@ def test_json_dash_prints_the_report(monkeypatch, capsys):
 
     monkeypatch.setattr(check, "run_check", lambda opts: ([], 1.5))
     monkeypatch.setattr(check, "environment", lambda: {"torch": "x"})
-    assert cli.main(["check", "--json", "-", "--no-progress"]) == 0
+    assert cli.main(["check", "--json", "-", "--no_progress"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out == check.report_dict([], seconds=1.5, environment={"torch": "x"})
     assert os.path.exists("-") is False

@@ -46,12 +46,12 @@ def test_flag_from_text_reads_each_kind_of_value(name, raw, expected):
 
 
 def test_launcher_and_trl_config_read_the_same_text_into_the_same_flags():
-    from rollout_parity.launcher import build_parser, correction_from_args
+    from rollout_parity.launcher import correction_from_args, parse_args
 
     argv = ["--rollout_rejection", "seq_sum_k3,seq_mean_k1", "--rollout_rejection_threshold", "0.01,0.9_1.1",
             "--rollout_importance_sampling_threshold_lower", "null", "--rollout_importance_sampling_mode",
             "token_mask", "--rollout_importance_sampling_threshold", "1.5", "script.py"]
-    launched = correction_from_args(build_parser().parse_args(argv))
+    launched = correction_from_args(parse_args(argv))
     parsed = {name: flag_from_text(name, value) for name, value in [
         ("rollout_rejection", ["seq_sum_k3", "seq_mean_k1"]), ("rollout_rejection_threshold", ["0.01", "0.9_1.1"]),
         ("rollout_importance_sampling_threshold_lower", "none"), ("rollout_importance_sampling_mode", "token_mask"),
@@ -196,9 +196,9 @@ LAUNCH_EVERY_FLAG = [
 
 @pytest.mark.parametrize("argv,flags", LAUNCH_EVERY_FLAG, ids=lambda x: x[0] if isinstance(x, list) else "")
 def test_every_shared_flag_on_the_launch_command_line(argv, flags):
-    from rollout_parity.launcher import build_parser, correction_from_args
+    from rollout_parity.launcher import correction_from_args, parse_args
 
-    args = build_parser().parse_args([*argv, "script.py", "--old_logprob_source", "the script's"])
+    args = parse_args([*argv, "script.py", "--old_logprob_source", "the script's"])
     assert correction_from_args(args) == CorrectionConfig(**flags) != CorrectionConfig()
     assert args.target == ["script.py", "--old_logprob_source", "the script's"]  # the script's own, untouched
     assert {k for _, f in LAUNCH_EVERY_FLAG for k in f} == set(CorrectionConfig.field_names())

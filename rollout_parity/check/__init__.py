@@ -4,7 +4,7 @@ For every framework it finds installed, the shared cross-framework batch (``shar
 its frozen numbers packaged beside it) runs through that framework's own code with our adapter:
 TRL's real ``GRPOTrainer`` generation and loss (``trl_checks``), verl's driver helper and every
 registered loss (``verl_checks``), NeMo RL's ``ClippedPGLossFn`` beside ours (``nemo_checks``,
-installed or from ``--nemo-rl-source``); the core alone always runs (``core_checks``). With
+installed or from ``--nemo_rl_source``); the core alone always runs (``core_checks``). With
 vLLM installed, a live probe (``vllm_probe``) builds the recipe's engine on a tiny local model
 and compares its logprobs with the trainer's on this hardware. Each check is a row of one table
 (``report``), or of the ``--json`` report; the command exits non-zero when a check fails or a

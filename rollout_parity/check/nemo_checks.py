@@ -1,6 +1,6 @@
 """The shared batch through our NeMo RL loss beside NeMo RL's own ``ClippedPGLossFn``.
 
-NeMo RL comes from the installed package or from a source tree (``--nemo-rl-source``, imported
+NeMo RL comes from the installed package or from a source tree (``--nemo_rl_source``, imported
 through ``nemo_source.SOURCES``). Each loss is called once on the whole batch as NeMo RL's
 workers call a ``LossFunction``: ``loss_fn(next_token_logprobs, data, global_valid_seqs,
 global_valid_toks)`` with NeMo RL's own ``BatchedDataDict`` in its ``(B, S)`` layout.

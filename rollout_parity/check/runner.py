@@ -107,7 +107,7 @@ def _run_one(spec: _Spec, opts: CheckOptions, tick: Callable[[], None]) -> Frame
         report.status = "skipped"
         report.reason = f"{spec.module} is not installed (pip install 'rollout-parity[{spec.extra}]')"
         if spec.key == "nemo_rl":
-            report.reason = ("nemo_rl is not importable (NeMo RL is not on PyPI): pass --nemo-rl-source PATH, "
+            report.reason = ("nemo_rl is not importable (NeMo RL is not on PyPI): pass --nemo_rl_source PATH, "
                              "a checkout of NVIDIA-NeMo/RL holding nemo_rl/")
         return report
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ training step.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ REJECTION_OPTIONS = (
 )
 
 __all__ = [
-    "CorrectionConfig", "RejectionRule", "IS_MODES", "SEQUENCE_REDUCTIONS", "SEQUENCE_MASK_WEIGHTS", "OLD_LOGPROB_SOURCES",
+    "CorrectionConfig", "RejectionRule", "FlagError", "refuse_unknown", "closest", "did_you_mean", "IS_MODES", "SEQUENCE_REDUCTIONS", "SEQUENCE_MASK_WEIGHTS", "OLD_LOGPROB_SOURCES",
     "REJECTION_OPTIONS", "LIST_FLAGS", "parse_rejection", "flag_from_text", "configs_dir",
 ]
 
@@ -58,11 +59,65 @@ class RejectionRule:
     lower: Optional[float] = None
 
 
-def _flag_error(flag: str, message: str) -> ValueError:
-    return ValueError(f"{flag}: {message}")
+class FlagError(ValueError):
+    """A shared flag that is unknown or has a bad value; the message names the flag and the fix.
+
+    A ``ValueError``, so callers catching that keep working; the command lines print it as one line
+    without a traceback (``rollout-parity launch``, verl's Hydra ``main``).
+    """
+
+
+def _flag_error(flag: str, message: str) -> FlagError:
+    return FlagError(f"{flag}: {message}")
+
+
+def closest(name: str, known: Iterable[str]) -> Optional[str]:
+    """The known name a misspelt ``name`` most likely means (difflib, cutoff 0.75), else None.
+
+    A name that starts exactly one known name (what argparse would take as an abbreviation) means that one.
+    """
+    known = list(dict.fromkeys(known))
+    starts = [k for k in known if k.startswith(name) and k != name]
+    close = starts if len(starts) == 1 else difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"did you mean 'x'?"`` for :func:`closest`, else ``""``."""
+    match = closest(name, known)
+    return f"did you mean {match!r}?" if match else ""
+
+
+def refuse_unknown(keys: Iterable[str], known: Iterable[str], *, where: str = "") -> None:
+    """Raise :class:`FlagError` for keys not in ``known``: one line, a "did you mean" for each near miss.
+
+    ``where`` prefixes each key as the user wrote it (``"rollout_parity."`` for verl's block).
+    """
+    known = list(known)
+    unknown = [k for k in keys if k not in known]
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        match = closest(str(key), known)
+        parts.append(f"{where}{key}" + (f" (did you mean {where + match!r}?)" if match else ""))
+    listed = "" if all("did you mean" in p for p in parts) else f"; the flags are {', '.join(known)}"
+    raise FlagError(f"unknown flag{'s' if len(parts) > 1 else ''} {', '.join(parts)}{listed}")
+
+
+#: The fix for a K1 range that YAML or Hydra read as a number.
+_K1_QUOTING = ("YAML and Hydra read an unquoted lo_hi such as 0.9_1 as the number 0.91 ('_' groups digits): "
+               "quote it ('0.9_1.1') or write the pair [0.9, 1.1]")
 
 
 def _parse_k1_range(option: str, spec: Any) -> tuple[float, float]:
+    """A K1 option's ratio range ``(lo, hi)``: ``hi`` > 1 (meaning [1/hi, hi]), ``'lo_hi'`` or ``[lo, hi]``.
+
+    The range must hold 1 strictly inside: a sequence with no mismatch has K1 = 0, a ratio of 1, and
+    a range without it rejects healthy data. So a single value must be > 1, which also catches the
+    number YAML and Hydra make of an unquoted ``0.9_1`` (0.91: any ``lo_hi`` with ``lo`` < 1 written
+    ``0.…`` reads as a number below 1).
+    """
     flag = "rollout_rejection_threshold"
     if isinstance(spec, str):
         parts = spec.strip().split("_")
@@ -71,23 +126,29 @@ def _parse_k1_range(option: str, spec: Any) -> tuple[float, float]:
         except ValueError:
             raise _flag_error(flag, f"{option} threshold {spec!r} is not 'hi' or 'lo_hi'") from None
     elif isinstance(spec, (list, tuple)):
-        values = [float(v) for v in spec]
+        try:
+            values = [float(v) for v in spec]
+        except (TypeError, ValueError):
+            raise _flag_error(flag, f"{option} takes a pair of numbers [lo, hi], got {spec!r}") from None
+    elif isinstance(spec, bool) or not isinstance(spec, (int, float)):
+        raise _flag_error(flag, f"{option} threshold {spec!r} is not a number, 'lo_hi' or [lo, hi]")
     else:
         values = [float(spec)]
+    if any(math.isnan(v) or math.isinf(v) for v in values):
+        raise _flag_error(flag, f"{option} ratio bounds must be finite, got {spec!r}")
     if len(values) == 1:
         hi = values[0]
-        if not hi > 0:
-            raise _flag_error(flag, f"{option} threshold must be > 0, got {spec!r}")
-        lo = 1.0 / hi
-        lo, hi = min(lo, hi), max(lo, hi)
-    elif len(values) == 2:
-        lo, hi = values
-    else:
-        raise _flag_error(flag, f"{option} takes 'hi', 'lo_hi' or a pair [lo, hi], got {spec!r}")
-    if not (lo > 0 and hi > 0):
-        raise _flag_error(flag, f"{option} ratio bounds must be > 0, got {spec!r}")
-    if not lo < hi:
-        raise _flag_error(flag, f"{option} needs lo < hi, got {spec!r}")
+        if not hi > 1:
+            raise _flag_error(flag, f"{option} takes hi > 1 (the ratio range [1/hi, hi]), 'lo_hi' or [lo, hi] "
+                                    f"with lo < 1 < hi; got {spec!r}. If you meant a range: {_K1_QUOTING}")
+        return 1.0 / hi, hi
+    if len(values) != 2:
+        raise _flag_error(flag, f"{option} takes hi > 1, 'lo_hi' or a pair [lo, hi], got {spec!r}")
+    lo, hi = values
+    if not 0 < lo < 1 < hi:
+        raise _flag_error(flag, f"{option} needs 0 < lo < 1 < hi, got {spec!r}: a range without 1 strictly "
+                                "inside rejects sequences that have no mismatch at all (K1 = 0, ratio 1) or "
+                                "the slightest one")
     return lo, hi
 
 
@@ -220,7 +281,8 @@ class CorrectionConfig:
     rollout_rejection: Optional[tuple[str, ...]] = field(
         default=None, metadata={"help": "null or a list of token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3"})
     rollout_rejection_threshold: Optional[Any] = field(
-        default=None, metadata={"help": "one value or one per rejection option; K1 takes 'hi', 'lo_hi' or [lo, hi]"})
+        default=None, metadata={"help": "one value or one per rejection option; a K1 option takes hi > 1 (the ratio "
+                                  "range [1/hi, hi]), 'lo_hi' or [lo, hi] with lo < 1 < hi (quote 'lo_hi' in YAML)"})
     off_policy_sequence_mask_delta: Optional[float] = field(
         default=None, metadata={"help": "mask a sequence when mean(log pi_behaviour - log pi_theta) > delta and A < 0"})
     old_logprob_source: str = field(
@@ -369,7 +431,8 @@ class CorrectionConfig:
     def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "CorrectionConfig":
         """Build from a plain mapping (YAML, OmegaConf, a framework's config block).
 
-        Unknown keys are an error naming them: a misspelt flag must not be dropped.
+        Unknown keys are a :class:`FlagError` naming them, with the closest flag: a misspelt flag
+        must not be dropped.
         """
         if data is None:
             return cls()
@@ -378,9 +441,7 @@ class CorrectionConfig:
 
             data = OmegaConf.to_container(data, resolve=True)
         data = dict(data)
-        unknown = sorted(set(data) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(f"unknown correction flag(s) {unknown}; known flags: {list(cls.field_names())}")
+        refuse_unknown(data, cls.field_names())
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -407,7 +468,9 @@ class CorrectionConfig:
 
         path = configs_dir() / "presets" / f"{name}.yaml"
         if not path.is_file():
-            raise ValueError(f"unknown preset {name!r}; available: {cls.available_presets()}")
+            hint = did_you_mean(name, cls.available_presets())
+            raise FlagError(f"preset: unknown preset {name!r}{' (' + hint + ')' if hint else ''}; "
+                            f"available: {cls.available_presets()}")
         node = OmegaConf.load(path)
         data = OmegaConf.to_container(node, resolve=True)
         if not isinstance(data, dict):

@@ -8,7 +8,7 @@ same weights, and reports per row: mean / max |delta| (paper eq. 1), kl, k3_kl, 
 clipped_frac and rejected sequences under a correction preset (from ``compute_correction``),
 and rollout tokens/s. It ends with what to add to a verl, TRL or NeMo RL run: flags whose
 rejection drops at most 5% of the parity rows' sequences at the user's answer length
-(``--response-length``; predicted from the measured completions, ``doctor/lengths.py``).
+(``--response_length``; predicted from the measured completions, ``doctor/lengths.py``).
 
 Rows (the trainer is transformers, bf16 body; its head as given):
 
@@ -17,7 +17,7 @@ Rows (the trainer is transformers, bf16 body; its head as given):
     c  + prefix cache off, async scheduling off: vllm_parity_kwargs()          bf16
     d  + fp32 lm_head on both sides: the full recipe                           fp32
     d/vllm-only   row d's rollouts scored by a bf16 trainer head: fp32 on one side only
-    s/full-vocab  the recipe engine sampling with a truncating sampler (--top-k/--top-p/--min-p),
+    s/full-vocab  the recipe engine sampling with a truncating sampler (--top_k/--top_p/--min_p),
                   scored by the trainer's full-vocabulary log_softmax(z/T), as verl, TRL and
                   NeMo RL compute pi_old: every ratio carries log S (the kept mass)
     s/sampler     the same rollouts scored by ``sampler_logprobs`` (sampler-aware): no bias
@@ -26,9 +26,9 @@ Rows (the trainer is transformers, bf16 body; its head as given):
 
 Method (``rollout_parity.grpo_rounds``, shared with benchmarks/prefix_cache_throughput.py):
 ``--steps`` weight versions; version 0 is the model, each next one a seeded perturbation of
-every weight (``--update-scale`` x its rms, about an optimizer step) loaded into every engine
+every weight (``--update_scale`` x its rms, about an optimizer step) loaded into every engine
 with ``update_weights_sync`` and the row's prefix-cache policy, through vLLM's own
-``reload_weights``. Per version, ``--num-prompts`` new prompts of a few hundred tokens behind
+``reload_weights``. Per version, ``--num_prompts`` new prompts of a few hundred tokens behind
 one shared system prompt, each sampled ``--samples`` times (a GRPO group). The engines take
 turns per version in a rotating order, so tok/s is measured interleaved and repeated; a row's
 tok/s is the median over versions, "vs a" the median of per-version ratios to row a.

@@ -16,6 +16,8 @@ _STEPS = (
     ("sampler-aware trainer logprobs (sampler_logprobs)", "s/full-vocab", "s/sampler"),
 )
 _MATTERS = 1.2  # a step "mattered" when it lowered mean |delta| by at least this factor
+#: The TRL script the launch line names: the repository's example (an unmodified TRL script runs the same way).
+TRL_EXAMPLE = "examples/trl_grpo.py"
 
 
 def _fmt_hydra(value: Any) -> str:
@@ -30,12 +32,13 @@ def _fmt_hydra(value: Any) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def _fmt_cli(value: Any) -> list[str]:
+def _fmt_cli(value: Any) -> str:
+    """One command-line value: lists comma-separated (one token, for TRL's parser and the launcher alike)."""
     if isinstance(value, bool):
-        return ["true" if value else "false"]
+        return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return [str("_".join(map(str, v)) if isinstance(v, (list, tuple)) else v) for v in value]
-    return [repr(value) if isinstance(value, float) else str(value)]
+        return ",".join(str("_".join(map(str, v)) if isinstance(v, (list, tuple)) else v) for v in value)
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _shared_flags(cfg: Any) -> dict[str, Any]:
@@ -51,7 +54,8 @@ def framework_lines(cfg: Any) -> dict[str, str]:
 
     ``verl``: Hydra overrides for ``python -m verl.trainer.main_ppo`` (the adapter merges the
     vLLM recipe into the rollout engine itself). ``trl``: command-line flags for a script that
-    parses ``ParityGRPOConfig`` with ``TrlParser``. ``nemo_rl``: YAML to merge into a NeMo RL
+    parses ``ParityGRPOConfig`` with ``TrlParser`` (lists comma-separated, one token each);
+    ``launch``: the same flags before a TRL script under ``rollout-parity launch``. ``nemo_rl``: YAML to merge into a NeMo RL
     recipe run with ``rollout-parity launch``: the ``loss_fn`` keys the hook turns into
     ``RolloutParityLossFn`` (the shared flags and the guard line, configs/nemo_rl_loss.yaml) and
     the vLLM recipe where NeMo RL reads it (``nemo_rl_generation_config``); ``fp32_lm_head``,
@@ -65,7 +69,7 @@ def framework_lines(cfg: Any) -> dict[str, str]:
 
     flags = _shared_flags(cfg)
     verl = " \\\n".join(f"    +rollout_parity.{k}={_fmt_hydra(v)}" for k, v in flags.items())
-    trl = " ".join(f"--{k} " + " ".join(shlex.quote(x) for x in _fmt_cli(v)) for k, v in flags.items())
+    trl = " ".join(f"--{k} {shlex.quote(_fmt_cli(v))}" for k, v in flags.items())
 
     def plain(v: Any) -> Any:
         return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
@@ -78,7 +82,8 @@ def framework_lines(cfg: Any) -> dict[str, str]:
     if cfg.fp32_lm_head:
         nemo_text = ("# fp32_lm_head left out: NeMo RL's policy workers keep the head in policy.precision "
                      "(docs/nemo_rl.md)\n" + nemo_text)
-    return {"verl": verl, "trl": trl, "nemo_rl": nemo_text}
+    return {"verl": verl, "trl": trl, "launch": " ".join(x for x in ("rollout-parity launch", trl, TRL_EXAMPLE) if x),
+            "nemo_rl": nemo_text}
 
 
 def recommend(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -170,7 +175,9 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
     out.append(f"flags to add: {flags}")
     lines = rec["lines"]
     out += ["", "verl (add to python -m verl.trainer.main_ppo ...):", lines["verl"],
-            "", "TRL (ParityGRPOConfig through TrlParser):", "    " + lines["trl"],
+            "", "TRL (the flags of a script parsing ParityGRPOConfig with TrlParser, e.g. "
+                f"python {TRL_EXAMPLE} <flags>):", "    " + lines["trl"],
+            "", "TRL, an unmodified GRPO script (the same flags before the script):", "    " + lines["launch"],
             "", "NeMo RL (merge into your recipe YAML; run NeMo RL's own examples/run_grpo.py under the launcher:",
             "    rollout-parity launch examples/run_grpo.py --config my_recipe.yaml):"]
     out += ["    " + line for line in lines["nemo_rl"].splitlines()]

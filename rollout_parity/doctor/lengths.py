@@ -3,8 +3,8 @@
 A sum over tokens grows with the answer: ``seq_sum_k3`` at parity is about ``L x`` the mean
 per-token K3, so a threshold set at one length rejects healthy data at a longer one (the paper's
 0.001 was set for 8,192-token answers whose tokens are mostly bit-identical). The doctor measures
-``M`` tokens per completion (``--max-tokens``) and predicts at the user's length ``L``
-(``--response-length``) by a block bootstrap: a pseudo-answer of ``L`` tokens is whole measured
+``M`` tokens per completion (``--max_tokens``) and predicts at the user's length ``L``
+(``--response_length``) by a block bootstrap: a pseudo-answer of ``L`` tokens is whole measured
 completions of the same row, drawn with replacement and concatenated (so the structure inside a
 completion is kept), ``DRAWS`` of them; the statistic or the full correction is then computed on
 them as on a real batch. It assumes later tokens of a long answer mismatch like the first ``M``;
@@ -16,7 +16,7 @@ at a length it only predicts, no more than :data:`UNMEASURED` of that:
 
 * ``seq_mean_*`` (length-normalised) is fitted at ``M``, where its spread is widest, and checked at
   ``L`` (or at :data:`REFERENCE_LENGTHS` when no length is given): a mean concentrates as ``L`` grows;
-* ``seq_sum_*`` needs the length: without ``--response-length`` the advice switches to ``seq_mean_*``;
+* ``seq_sum_*`` needs the length: without ``--response_length`` the advice switches to ``seq_mean_*``;
   with it, the sum is fitted at ``L`` unless the mismatch is dense (a healthy answer's median sum
   reaches the preset's threshold or :data:`DENSE_SHARE` of the fitted one, so the threshold mostly
   measures length; or nothing within 100x the preset fits), in which case it switches too;
@@ -276,7 +276,7 @@ def fit_rejection(cfg: CorrectionConfig, rows: Mapping[str, Tensors], measured: 
     if rule.level == "seq_sum":
         if length is None:
             return as_mean(f"{name} sums over the answer, so no one threshold fits every length (at parity it "
-                           f"grows {_per_token(rows, est, measured):.1e} per token here); give --response-length "
+                           f"grows {_per_token(rows, est, measured):.1e} per token here); give --response_length "
                            "to fit a sum to yours")
         tau, shares = _fit(name, rows, measured, [length], preset, seed, group)
         typical = max(float(statistic(name, _at(t, measured, length, seed, group)).median()) for t in rows.values())

@@ -155,18 +155,18 @@ def validate(opts: DoctorOptions) -> list[str]:
         if name not in ROW_SPECS:
             raise ValueError(f"unknown row {name!r}; rows are {sorted(ROW_SPECS)}")
     if min(opts.num_prompts, opts.samples, opts.max_tokens, opts.steps, opts.sentences, opts.trainer_batch) < 1:
-        raise ValueError("--num-prompts, --samples, --max-tokens, --steps and --sentences must be >= 1")
+        raise ValueError("--num_prompts, --samples, --max_tokens, --steps and --sentences must be >= 1")
     if opts.response_length is not None and opts.response_length < 1:
-        raise ValueError(f"--response-length must be >= 1, got {opts.response_length}")
+        raise ValueError(f"--response_length must be >= 1, got {opts.response_length}")
     correction_config(opts)  # a bad preset or --set flag fails here, naming the flag
     if not opts.update_scale >= 0:
-        raise ValueError(f"--update-scale must be >= 0, got {opts.update_scale}")
+        raise ValueError(f"--update_scale must be >= 0, got {opts.update_scale}")
     _check_params(opts.temperature, opts.top_k, opts.top_p, opts.min_p)
     if opts.temperature < 1e-5:
         raise ValueError("--temperature must be > 0: greedy sampling has no distribution to compare")
     notes = []
     if not _truncates(opts) and any(ROW_SPECS[r].config == "s" for r in opts.rows):
-        notes.append("s/* rows skipped: no truncating sampler (--top-k, --top-p < 1 or --min-p > 0)")
+        notes.append("s/* rows skipped: no truncating sampler (--top_k, --top_p < 1 or --min_p > 0)")
     return notes
 
 

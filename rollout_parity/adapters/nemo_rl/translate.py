@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rollout_parity.core.config import CorrectionConfig
+from rollout_parity.core.config import CorrectionConfig, refuse_unknown
 from rollout_parity.core.ratios import LOG_RATIO_BOUND
 
 __all__ = ["BLOCK_KEY", "GUARD_KEY", "RESOLVER", "NEMO_IS_TYPES", "as_dict", "carries_block",
@@ -73,6 +73,7 @@ def split_loss_config(loss_cfg: Any) -> tuple[CorrectionConfig, dict]:
     cfg.pop(GUARD_KEY, None)
     if ours is not None and not isinstance(ours, dict):
         raise ValueError(f"loss_fn.{BLOCK_KEY} must be a mapping of the shared flags, got {ours!r}")
+    refuse_unknown(ours or {}, CorrectionConfig.field_names(), where=f"loss_fn.{BLOCK_KEY}.")
     return CorrectionConfig.from_dict(ours or {}), cfg
 
 

@@ -1,27 +1,98 @@
 """TRL's config in: ``ParityGRPOConfig`` is ``GRPOConfig`` plus the shared flags (docs/flags.md).
 
 Parsed by ``TrlParser``/``HfArgumentParser`` like any TRL config, on the command line
-(``--rollout_importance_sampling_mode token_truncate``; list flags take several values) or in a TRL
-YAML file; TRL's own fields keep their defaults and meaning, and the shared fields carry the core's
-defaults and help text. Values arrive as text and are read by the core (``flag_from_text``).
+(``--rollout_importance_sampling_mode token_truncate``; list flags take several values or one
+comma-separated value) or in a TRL YAML file; TRL's own fields keep their defaults and meaning, and
+the shared fields carry the core's defaults and help text, with how each relates to TRL's own
+options. Values arrive as text and are read by the core (``flag_from_text``).
+
+A parser holding the shared flags takes them by their full names only: argparse's prefix matching
+would read ``--rollout_importance_sampling_mod`` as ``--rollout_importance_sampling_mode``, so an
+option that abbreviates or nearly spells a shared flag is refused in one line naming it (exit 2,
+as argparse exits on a bad option); TRL's own options keep argparse's behaviour.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from trl import GRPOConfig
 
-from rollout_parity.core.config import CorrectionConfig, flag_from_text
+from rollout_parity.adapters._patching import Patches, is_ours
+from rollout_parity.core.config import CorrectionConfig, closest, flag_from_text
 
 __all__ = ["ParityGRPOConfig", "correction_config_from_args", "as_correction_config"]
+
+_IS_RELATION = ("TRL's own vllm_importance_sampling_mode/_clip_max/_clip_min configure the same ratio "
+                "(importance_sampling_ratio): with a correction flag set, setting them too is refused")
+#: How each shared flag relates to TRL's own options (shown in --help).
+_TRL_RELATION = {
+    "rollout_importance_sampling_mode": _IS_RELATION,
+    "rollout_importance_sampling_threshold": _IS_RELATION,
+    "rollout_importance_sampling_threshold_lower": _IS_RELATION,
+    "rollout_rejection": "rejected tokens or sequences leave the loss mask; " + _IS_RELATION,
+    "off_policy_sequence_mask_delta": "handed to TRL as its off_policy_mask_threshold: setting both is refused",
+    "fp32_lm_head": "turns TRL's cast_lm_head_to_fp32 on (the trainer's head; it wins over "
+                    "--cast_lm_head_to_fp32 false) and puts vLLM's head in fp32 too (hf_overrides head_dtype)",
+    "old_logprob_source": "bypass: TRL's pi_old recomputation is skipped and the rollout logprobs are pi_old",
+}
+
+
+def _shared_names() -> set[str]:
+    names = CorrectionConfig.field_names()
+    return {f"--{n}" for n in names} | {f"--{n.replace('_', '-')}" for n in names}
+
+
+def _refuse_near_misses(original: Any, parser: argparse.ArgumentParser, args: Any = None, *rest: Any,
+                        **kwargs: Any) -> Any:
+    """``parser.parse_known_args``, after refusing an unknown option whose closest option is a shared flag."""
+    argv = sys.argv[1:] if args is None else list(args)
+    shared = _shared_names()
+    known = [s for s in parser._option_string_actions if s.startswith("--")]  # noqa: SLF001 - argparse's own table
+    for token in argv:
+        option = token.split("=", 1)[0]
+        if not option.startswith("--") or option in parser._option_string_actions:  # noqa: SLF001
+            continue
+        match = closest(option, known)
+        if match in shared:
+            parser.exit(2, f"{parser.prog}: unknown option {option} (did you mean {match!r}?); rollout-parity's "
+                           "flags take their full names\n")
+    return original(argv, *rest, **kwargs)
+
+
+class _SharedFlag(argparse.Action):
+    """argparse's store for a shared flag; added to a parser, it guards that parser's parsing.
+
+    ``HfArgumentParser`` adds a dataclass field with the ``action`` of its metadata. argparse builds
+    the action inside the parser's ``add_argument`` (its caller's ``self``): the one moment a field
+    meets the parser it will be parsed by.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        parser = sys._getframe(1).f_locals.get("self")
+        if isinstance(parser, argparse.ArgumentParser) and not is_ours(getattr(parser, "parse_known_args", None)):
+            # An instance patch through the shared layer: it lives and dies with this parser.
+            Patches().wrap(parser, "parse_known_args",
+                           lambda original, *a, **k: _refuse_near_misses(original, parser, *a, **k),
+                           dotted=f"{type(parser).__name__}.parse_known_args")
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
 
 
 def _shared_field(name: str) -> Any:
     """A dataclass field with the core's default and help text for one shared flag."""
     core = CorrectionConfig.__dataclass_fields__[name]
-    return field(default=core.default, metadata={"help": f"[rollout-parity] {core.metadata.get('help', '')}"})
+    relation = _TRL_RELATION.get(name)
+    help_text = f"[rollout-parity] {core.metadata.get('help', '')}" + (f". TRL: {relation}" if relation else "")
+    metadata: dict[str, Any] = {"help": help_text}
+    if not isinstance(core.default, bool):  # one guarded field guards the parser; a bool field defaulting to
+        metadata["action"] = _SharedFlag    # true (the launcher's) also gets a --no_ twin, store_false
+    return field(default=core.default, metadata=metadata)
 
 
 @dataclass

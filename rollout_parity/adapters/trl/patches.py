@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 from typing import Any, Mapping, Optional
 
 from trl import GRPOTrainer
@@ -144,10 +145,23 @@ def apply(trainer: Any, config: CorrectionConfig | Mapping[str, Any] | None = No
     except BaseException:
         revert(trainer)
         raise
-    if needs_rollout_logprobs(cfg):  # one visible line per process (every rank, every node)
-        print(f"[rollout-parity] TRL adapter active in pid {os.getpid()} on {socket.gethostname()} ({_rank()}): "
-              f"{describe_flags(cfg)}", flush=True)
+    if needs_rollout_logprobs(cfg):
+        _announce(f"[rollout-parity] TRL adapter active in pid {os.getpid()} on {socket.gethostname()} ({_rank()}): "
+                  f"{describe_flags(cfg)}")
     return trainer
+
+
+_announced: list[int] = []  # the pid that printed the line (a forked child prints its own)
+
+
+def _announce(line: str) -> None:
+    """One visible line per process (every rank, every node) on stderr, whatever the logging setup; a
+    later trainer in the same process logs it at INFO (``rollout-parity check`` builds dozens)."""
+    if os.getpid() in _announced:
+        logger.info("%s", line)
+        return
+    _announced.append(os.getpid())
+    print(line, file=sys.stderr, flush=True)
 
 
 def _rank() -> str:

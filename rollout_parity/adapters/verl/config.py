@@ -23,7 +23,7 @@ from rollout_parity.adapters.verl.compat import REQUIRED_VERL_NAMES, TESTED_VERL
 from rollout_parity.adapters.verl.sync import refuse_sync_flags
 from rollout_parity.adapters.verl.flags import CONFIG_KEY, ENV_CONFIG, ENV_MODULES, MODULE, active_config, \
     carried_env, check_ray_carries, set_active_config, with_module
-from rollout_parity.core.config import CorrectionConfig
+from rollout_parity.core.config import CorrectionConfig, refuse_unknown
 from rollout_parity.core.sampler import SamplerSettings
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
@@ -54,6 +54,7 @@ def correction_config_from_verl(config: Any) -> Optional[CorrectionConfig]:
     if isinstance(block, str) or not hasattr(block, "keys"):
         raise ValueError(f"{CONFIG_KEY}: expected a mapping of shared flags, got {block!r}")
     data = OmegaConf.to_container(block, resolve=True) if isinstance(block, DictConfig) else dict(block)
+    refuse_unknown(data, (*CorrectionConfig.field_names(), "preset"), where=f"{CONFIG_KEY}.")
     preset = data.pop("preset", None)
     return CorrectionConfig.preset(preset, **data) if preset is not None else CorrectionConfig.from_dict(data)
 

@@ -20,12 +20,35 @@ from rollout_parity.adapters.verl.loss import policy_loss_fn, ppo_loss_with_glob
 from rollout_parity.adapters.verl.rollout import engine_kwargs_without_hf_overrides, quantization_with_hf_overrides
 from rollout_parity.adapters.verl.sync import checked_update_weights, moe_after_ipc_update
 
-__all__ = ["PATCH_POINTS", "patcher"]
+__all__ = ["PATCH_POINTS", "patcher", "ConfigRefusal"]
+
+
+try:
+    from hydra.errors import CompactHydraException as _Compact
+except ImportError:  # pragma: no cover - verl depends on Hydra
+    _Compact = Exception
+
+
+class ConfigRefusal(_Compact, ValueError):
+    """A refusal of the ``rollout_parity`` block (a typo, a bad value, what verl cannot express).
+
+    Still a ``ValueError``; Hydra's ``main`` prints a ``CompactHydraException`` as its message alone,
+    so the user reads one line naming the flag and the fix, not a traceback.
+    """
+
+
+def _configure(config: Any) -> None:
+    try:
+        configure_verl(config)
+    except ConfigRefusal:
+        raise
+    except ValueError as exc:
+        raise ConfigRefusal(f"rollout-parity: {exc}") from exc
 
 
 def _configure_then(original: Callable, config: Any, *args: Any, **kwargs: Any) -> Any:
     """verl's ``validate_config``, after :func:`configure_verl` (idempotent)."""
-    configure_verl(config)
+    _configure(config)
     return original(config, *args, **kwargs)
 
 
@@ -33,7 +56,7 @@ def _configure_after(original: Callable, config: Any, *args: Any, **kwargs: Any)
     """verl's ``auto_set_device``: the first call of every verl ``main`` with the composed config,
     in the driver, before Ray starts (verl 0.8's ``main_ppo`` validates only after ``ray.init``)."""
     result = original(config, *args, **kwargs)
-    configure_verl(config)
+    _configure(config)
     return result
 
 
