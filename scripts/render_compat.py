@@ -89,7 +89,9 @@ def render_resolve(lines: list[str]) -> str:
     newest = _newest(lines, _RESOLVE, "pair")
     if not newest:
         return "\nNo result line yet (`bash scripts/compat.sh resolve`).\n"
-    return "\n" + "\n".join(f"* {m['date']}, `{m['pair']}`: {m['rest']}" for m in newest.values()) + "\n"
+    rows = ["| date | pair | pip's answer |", "|---|---|---|"]
+    rows += [f"| {m['date']} | `{m['pair']}` | {_cell(m['rest'])} |" for m in newest.values()]
+    return "\n" + "\n".join(rows) + "\n"
 
 
 RENDERERS = {"matrix": render_matrix, "names": render_names, "resolve": render_resolve}
