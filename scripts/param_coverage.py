@@ -85,6 +85,7 @@ RECORDS = {
     "rollout_parity.core.distributed.MaskedSummary": "masked_summary's result",
     "rollout_parity.core.token_ids.MessageTokenIds": "message_token_ids's result",
     "rollout_parity.doctor.rows.RowSpec": "the doctor's fixed table of rows (ROW_SPECS)",
+    "rollout_parity.core.vllm_features.VllmFeature": "one row of the fixed table of vLLM features (VLLM_FEATURES)",
     "rollout_parity.check.report.CheckResult": "one check's result in the report",
     "rollout_parity.check.report.FrameworkReport": "one framework's result in the report",
 }

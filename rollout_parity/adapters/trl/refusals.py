@@ -13,7 +13,8 @@ from typing import Any, Optional
 from trl import GRPOConfig
 
 from rollout_parity.adapters._refusals import active_penalties, describe_flags, head_modifiers, \
-    needs_rollout_logprobs, refuse_unmatched_sampler
+    needs_rollout_logprobs, refuse_missing_vllm_features, refuse_out_of_process_cpu_worker, \
+    refuse_unmatched_sampler
 from rollout_parity.adapters.trl.routing import refuse_routing_replay
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
@@ -91,6 +92,9 @@ def refuse(cfg: CorrectionConfig, flags: Any, sampling: Any, *, model_config: An
         if getattr(flags, "tools", None) or getattr(flags, "rollout_func", None):
             raise ValueError("rollout_sampling_replay=True with tools or a rollout_func: tool output interleaves "
                              "with the sampled tokens, so vLLM's per-token kept sets no longer line up")
+    if flags.use_vllm and getattr(flags, "vllm_mode", None) == "colocate":
+        refuse_missing_vllm_features(cfg)  # the colocated engine runs the vLLM installed here
+        refuse_out_of_process_cpu_worker("TRL's colocated weight sync (VLLMGeneration.sync_weights)")
     settings, penalties = sampling_settings(sampling, getattr(flags, "generation_kwargs", None))
     refuse_unmatched_sampler(cfg, settings, penalties=penalties, trainer_temperature=flags.temperature,
                              modifiers=head_modifiers(model_config) if settings.truncates else {})

@@ -28,7 +28,8 @@ import logging
 from typing import Any
 
 from rollout_parity.adapters._patching import ModulePatcher, PatchPoint, mark
-from rollout_parity.core.engine_head import asks_fp32_head
+from rollout_parity.core.engine_head import FIRST_NATIVE_HEAD_DTYPE, asks_fp32_head
+from rollout_parity.core.vllm_features import SUPPORTED_VLLM
 
 __all__ = [
     "fp32_logits",
@@ -87,11 +88,10 @@ def _patched_get_logits(original: Any, self: Any, *args: Any, **kwargs: Any) -> 
     return fp32_logits(self, *args, **kwargs)
 
 
-# Run here on vLLM 0.31 (where the class method has the same shape); other releases get the
-# untested-version warning.
+# Run on every release of the vLLM matrix (docs/compat.md); others get the untested-version warning.
 _patcher = ModulePatcher("vLLM", [PatchPoint(_MODULE, "LogitsProcessor._get_logits", _patched_get_logits,
                                              eager=True)],
-                         distributions=_DISTRIBUTIONS, tested=">=0.24,<0.32", extra="vllm")
+                         distributions=_DISTRIBUTIONS, tested=SUPPORTED_VLLM, extra="vllm")
 
 
 def is_vllm_fp32_logits_patched() -> bool:
@@ -146,10 +146,11 @@ def _announce() -> None:
                 vllm.__version__)
 
 
-# Installed only where vLLM lacks the knob (< 0.26, plugin.py): run on 0.24, the shape of 0.20-0.25.
+# Installed only where vLLM lacks the knob (< 0.26, plugin.py): run on 0.20, 0.24 and 0.25.1 (docs/compat.md).
 _on_request = ModulePatcher("vLLM", [PatchPoint(_MODULE, "LogitsProcessor.__init__", _init_with_fp32_head_on_request,
                                                 eager=True)],
-                            distributions=_DISTRIBUTIONS, tested=">=0.20,<0.26", extra="vllm")
+                            distributions=_DISTRIBUTIONS,
+                            tested=f">=0.20,<{FIRST_NATIVE_HEAD_DTYPE}", extra="vllm")
 
 
 def is_fp32_head_on_request() -> bool:

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 from rollout_parity.adapters.vllm.fp32_head import apply_fp32_head_on_request, logger
 from rollout_parity.adapters.vllm.head_report import install_head_report
-from rollout_parity.core.engine_head import FIRST_NATIVE_HEAD_DTYPE
+from rollout_parity.core.vllm_features import vllm_has
 
 __all__ = ["register", "needs_fp32_head_patch"]
 
 
 def needs_fp32_head_patch(version: str) -> bool:
     """Whether vLLM ``version`` ignores ``head_dtype`` for generation models (< 0.26)."""
-    from rollout_parity.core.vllm_recipe import _parse_version
-
-    return _parse_version(version) < _parse_version(FIRST_NATIVE_HEAD_DTYPE)
+    return not vllm_has("head_dtype", version)
 
 
 def register() -> None:
