@@ -8,6 +8,9 @@ plus ``seq_mean_k3`` rejection and the sync check on every sync. Checked:
   3x of the dense tiny model's, no sequence is rejected, and the sync check stays quiet on every sync;
 * with the adapter's MoE step disabled (TRL's sync as it is upstream) the first checked sync is a
   ``WeightSyncError`` (mean |delta| ~0.26 where healthy syncs show ~0.01) that says every parameter was sent;
+* below vLLM 0.25, whose MoE loaders skip transformers 5's fused expert names (``test_moe_sync.py`` shows it on
+  those releases), the sync hands the engine transformers' per-expert checkpoint names and stays healthy
+  (forced on a vLLM that reads both; the real thing in the 0.24 matrix venv);
 * a sync that leaves one parameter group at its old values (``model.layers.1.mlp`` dropped from TRL's
   stream after the first optimizer step) is a ``WeightSyncError`` naming that group at the next sync;
 * ``moe_routing_replay``: the engine is asked for vLLM's ``routed_experts`` (on CPU recorded by test support,
@@ -108,6 +111,33 @@ def test_upstream_trl_sync_of_a_moe_fails_the_check(tmp_path, monkeypatch):
     assert error is not None and error.result.sync_index == 1
     assert error.result.delta_abs_mean > 0.15  # ~0.26 measured; healthy ~0.01
     assert "Every trainer parameter was sent" in str(error) and "docs/moe.md" in str(error)
+
+
+def test_below_vllm_0_25_the_sync_sends_per_expert_names_and_stays_healthy(tmp_path, monkeypatch):
+    import rollout_parity.adapters.trl.sync as sync
+
+    monkeypatch.setattr(sync, "vllm_reads_fused_experts", lambda: False)  # as on vLLM 0.20-0.24
+    received = []
+
+    def recording(trainer):
+        model = sync._engine_model(trainer.vllm_generation)
+        load = model.load_weights
+
+        def recorded(weights):
+            weights = list(weights)
+            received.extend(name for name, _ in weights)
+            return load(weights)
+
+        model.load_weights = recorded
+
+    trainer, error = _run(tmp_path, build_tiny_moe_model(), max_steps=1, breaking=recording)
+    assert error is None
+    results = trainer.__dict__["_rollout_parity"].sync_results
+    assert results and all(r.ok and not r.unsent for r in results)  # TRL's own names were all recorded as sent
+    assert not any(".mlp.experts.gate_up_proj" in n or ".mlp.experts.down_proj" in n for n in received)
+    experts = [n for n in received if ".mlp.experts." in n]
+    assert len(set(experts)) == 2 * 4 * 3 and len(experts) == 2 * 4 * 3 * len(results)  # layers x experts x projs
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in experts
 
 
 def test_a_group_left_at_its_old_values_is_named(tmp_path):
