@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rollout_parity.core.engine_moe import CONVERTED, CPU_PREPACK_ONCE, CPU_REBUILT, FUSED_EXPERTS_READ_FROM, \
-    finish_moe_weight_load, moe_layer_kind, vllm_reads_fused_experts
+    finish_moe_weight_load, moe_layer_kind, record_moe_layers, vllm_reads_fused_experts
 
 
 def pack(t: torch.Tensor) -> torch.Tensor:
@@ -204,6 +204,32 @@ def test_a_converted_gpu_layer_runs_vllms_method_on_a_raw_load_and_nothing_after
     raw_load(model, 5)
     assert finish_moe_weight_load(model, post_processed=False) == NAMES
     assert log == ["method", "method"]
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_first_sync_that_skips_a_layer_leaves_it_alone_once_the_layers_were_recorded(recorded):
+    """Without a record of the processed state, the first call cannot tell an unwritten layer from a written one
+    and packs its packed experts again (and reports it); the adapters record before every load."""
+    log = []
+    model = make_model("once", log)
+    if recorded:
+        assert record_moe_layers(model) == 2
+    untouched = model.layers[1].experts.w13_weight.clone()
+    gen = torch.Generator().manual_seed(6)
+    written = torch.randn(model.layers[0].experts.w13_weight.shape, generator=gen)
+    model.layers[0].experts.w13_weight.data.copy_(written)  # the sync writes layer 0 only
+    done = finish_moe_weight_load(model, post_processed=False)
+    assert torch.equal(model.layers[0].experts.w13_weight, pack(written))
+    if recorded:
+        assert done == ["layers.0.experts"] and torch.equal(model.layers[1].experts.w13_weight, untouched)
+        assert record_moe_layers(model) == 0  # every layer has its fingerprint
+    else:
+        assert done == NAMES and torch.equal(model.layers[1].experts.w13_weight, pack(untouched))  # packed twice
+
+
+def test_record_skips_layers_of_no_known_kind():
+    model = make_model("xpu", [])
+    assert record_moe_layers(model) == 0
 
 
 def test_a_quantized_moe_layer_is_refused_by_name():

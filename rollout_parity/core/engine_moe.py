@@ -46,7 +46,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 __all__ = ["CPU_PREPACK_ONCE", "CPU_REBUILT", "CONVERTED", "FUSED_EXPERTS_READ_FROM", "fused_moe_layers",
-           "moe_layer_kind", "finish_moe_weight_load", "vllm_reads_fused_experts"]
+           "moe_layer_kind", "record_moe_layers", "finish_moe_weight_load", "vllm_reads_fused_experts"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,21 @@ def _warn_unknown(name: str, layer: torch.nn.Module) -> None:
         type(method).__name__, _backend(method), type(_fused_experts(method)).__name__)
 
 
+def record_moe_layers(model: torch.nn.Module) -> int:
+    """Fingerprint every known fused-MoE layer that has none yet, as it is before a sync (processed by vLLM).
+
+    Call it before each load (the adapters do): :func:`finish_moe_weight_load` then leaves a layer the load did
+    not write alone from the first sync on, instead of processing its processed weights again. Returns the
+    number of layers recorded."""
+    recorded = 0
+    with torch.no_grad():
+        for _, layer in fused_moe_layers(model):
+            if getattr(layer, _FINGERPRINT, None) is None and moe_layer_kind(layer) is not None:
+                setattr(layer, _FINGERPRINT, _fingerprint(layer))
+                recorded += 1
+    return recorded
+
+
 def finish_moe_weight_load(model: torch.nn.Module, *, post_processed: bool) -> list[str]:
     """Put the expert weights a sync just wrote into each fused-MoE layer into its kernel's layout.
 
@@ -164,7 +179,8 @@ def finish_moe_weight_load(model: torch.nn.Module, *, post_processed: bool) -> l
     The steps are not idempotent (prepacking prepacked weights scrambles them) and vLLM's loaders write
     through ``.data``, which no version counter sees, so each processed layer keeps a fingerprint (evenly
     spaced samples of both tensors): a layer whose tensors still match it was not written since and is left
-    alone (a second call, or a sync that skipped a layer, is safe). A layer of no known kind
+    alone (a second call, or a sync that skipped a layer, is safe; from the first sync on where
+    :func:`record_moe_layers` ran before the load, else from the second). A layer of no known kind
     (:func:`moe_layer_kind`) is left untouched and warned about once; a quantized one raises (its raw load
     cannot be completed here).
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rollout_parity.adapters._patching import Patches
-from rollout_parity.core.engine_moe import finish_moe_weight_load, vllm_reads_fused_experts
+from rollout_parity.core.engine_moe import finish_moe_weight_load, record_moe_layers, vllm_reads_fused_experts
 from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, unsent_groups
 
 __all__ = ["install_sync_hooks", "is_moe", "probe_engine", "probe_trainer", "checkpoint_tensors"]
@@ -113,6 +113,8 @@ def _synced(trainer: Any, state: Any, original: Any, *args: Any, **kwargs: Any) 
     generation = original.__self__
     checked = state.sync_schedule.next_is_checked()
     sent: set = set()
+    if generation.mode == "colocate":
+        record_moe_layers(_engine_model(generation))  # the layers as vLLM processed them, before TRL writes
     # recording first (TRL's own names, as the check compares them), then the names this vLLM reads
     with _recording_sent(generation, sent) if checked else contextlib.nullcontext(), \
             _checkpoint_expert_names(trainer, generation):
