@@ -8,7 +8,7 @@ and their ratio. Target: ratio <= 1.5, i.e. the correction costs at most half th
 The loss is timed with its backward because that is what a training step pays for it; the
 correction has no backward (its weights are detached). Both include their metrics' host sync.
 
-Last line: ``RESULT overhead_ratio=...`` (DESIGN.md's convention).
+Last line: ``RESULT overhead_ratio=...`` (every benchmark's last line, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,11 +4,14 @@ Runs on a laptop CPU with a tiny locally built model (no download), 2 steps, vLL
 
     python examples/trl_grpo.py --rollout_importance_sampling_mode token_truncate
 
-Every GRPOConfig flag still works, and so does every shared rollout-parity flag, on the
-command line or in a TRL YAML file (``--config grpo.yaml``), e.g.::
+Every GRPOConfig flag still works, and so does every shared rollout-parity flag (docs/flags.md), on
+the command line or in a TRL YAML file (``--config grpo.yaml``), e.g.::
 
-    python examples/trl_grpo.py --rollout_importance_sampling_mode token_truncate \\
-        --rollout_rejection seq_sum_k3 --rollout_rejection_threshold 0.001 --fp32_lm_head
+    python examples/trl_grpo.py --rollout_importance_sampling_mode token_truncate --fp32_lm_head true
+
+Both reweight or change precision and never reject, so they do no harm at any answer length. Add
+rejection only with the thresholds ``rollout-parity doctor --response_length <max_completion_length>``
+fits to your model and length (docs/thresholds.md).
 
 With a real model: ``--model Qwen/Qwen3-0.6B --use_cpu false --bf16 true ...``.
 Environment on CPU: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set below if unset).

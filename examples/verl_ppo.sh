@@ -9,10 +9,13 @@
 # actor_rollout_ref.rollout.engine_kwargs.vllm and turns on rollout logprobs. Your policy loss
 # (actor_rollout_ref.actor.policy_loss.loss_mode: vanilla, gspo, cispo, ...) stays as it is: it
 # receives the correction through verl's own rollout_is_weights and response_mask.
-# Any other shared flag of DESIGN.md works the same way, e.g.
-#   +rollout_parity.preset=tis_srs_k3          (token TIS at 2 + seq_sum_k3 rejection at 0.001)
-#   +rollout_parity.old_logprob_source=bypass  (rollout logprobs are pi_old)
+#
+# The flag is token-level truncated importance sampling (TIS at 2): it reweights, never rejects, so
+# it does no harm at any answer length. Every shared flag (docs/flags.md) works the same way, e.g.
 #   +rollout_parity.fp32_lm_head=true          (fp32 head on the FSDP actor and in vLLM)
+#   +rollout_parity.old_logprob_source=bypass  (rollout logprobs are pi_old)
+# Rejection only with thresholds fitted to this run's length and model: `rollout-parity doctor
+# --model <your model> --response_length 512` prints the lines to add (docs/thresholds.md).
 set -euo pipefail
 
 # The adapter is found through its `verl.plugins` entry point; this line makes the script
@@ -45,6 +48,6 @@ python3 -m verl.trainer.main_ppo \
     trainer.n_gpus_per_node=1 \
     trainer.nnodes=1 \
     trainer.total_epochs=1 \
-    +rollout_parity.preset=tis_srs_k3 \
+    +rollout_parity.rollout_importance_sampling_mode=token_truncate \
     "$@"
 #   ^^^ the one-flag change: everything above it is verl's stock GRPO command

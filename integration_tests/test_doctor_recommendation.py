@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import warnings
 
 import pytest
 import yaml
@@ -86,13 +85,14 @@ def test_nemo_rl_yaml_builds_the_same_loss_and_generation_config(name):
     doc = OmegaConf.create(yaml.safe_load(framework_lines(cfg)["nemo_rl"]))
     with pytest.raises(UnsupportedInterpolationType, match="rollout_parity"):  # NeMo RL's reading, no hook
         OmegaConf.to_container(doc, resolve=True)
-    with ANCHORS.activate("v0.7.0"), launched(), warnings.catch_warnings():  # rollout-parity launch's hook
-        warnings.simplefilter("ignore", UserWarning)  # fp32_lm_head: NeMo RL's trainer side is not ours
+    with ANCHORS.activate("v0.7.0"), launched():  # rollout-parity launch's hook
         OmegaConf.to_container(doc, resolve=True)
         loss_fn = RolloutParityLossFn.from_nemo_config(doc.loss_fn)
-    assert loss_fn.correction == cfg
+    # NeMo RL refuses fp32_lm_head (its trainer head stays bf16): the lines leave it out and say so.
+    assert loss_fn.correction == cfg.replace(fp32_lm_head=False)
+    assert framework_lines(cfg)["nemo_rl"].startswith("# fp32_lm_head left out") == cfg.fp32_lm_head
     policy = OmegaConf.to_container(doc.policy)
-    assert policy == nemo_rl_generation_config(fp32_lm_head=cfg.fp32_lm_head)["policy"]
+    assert policy == nemo_rl_generation_config()["policy"]
     check_nemo_rl_vllm_kwargs(policy["generation"]["vllm_kwargs"])
     assert policy["generation"]["vllm_cfg"]["logprobs_mode"] == "processed_logprobs"
-    assert ("hf_config_overrides" in policy) == cfg.fp32_lm_head
+    assert "hf_config_overrides" not in policy

@@ -8,16 +8,21 @@ float32, so some tokens sit on the other side of a routing tie. Checked:
 * the patch alone: replaying the model's own routes gives bit-identical logits and a router gradient,
   an empty route (-1) keeps the model's routing, and the routers are put back bit for bit;
 * against the engine: with replay the trainer's experts equal the engine's on every token that has a route,
-  where without replay some tokens differ, and the mismatch on the generated tokens is no larger.
+  where without replay some tokens differ, and the mismatch on the generated tokens is no larger;
+* no host sync: a forward and backward with replay (routes as a tensor, or looked up by tokens) read back to
+  the host exactly as often as without it, and under gradient checkpointing each routing counts once.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from rollout_parity.adapters._routing import RoutingReplay, find_routers
-from rollout_parity.core.routing import align_routes, replayed_routing
+from rollout_parity.core.routing import RouteTable, align_routes, replayed_routing
 from rollout_parity.testing.tiny_moe import build_tiny_moe_model
 
 PROMPT, NEW, ROWS = 24, 16, 8
@@ -141,3 +146,85 @@ def test_with_replay_the_trainer_routes_every_token_as_the_engine_did(hf):
     assert flips.sum() > 0  # without replay, some tokens go elsewhere (7 of 624 measured)
     without, with_replay = (rollout - own_lp).abs().mean(), (rollout - replay_lp).abs().mean()
     assert with_replay <= without, (float(with_replay), float(without))  # 0.0111 against 0.0119 measured
+
+
+#: Tensor methods that hand a value back to the host. On CUDA each one waits for the device (a sync); on CPU
+#: none does, so counting their calls is the CPU-countable proxy (``torch.cuda.set_sync_debug_mode`` needs a GPU).
+_READBACKS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__", "nonzero")
+
+
+class _CountedReadbacks(TorchFunctionMode):
+    """Counts host read-backs through a torch function mode: the methods above, ``torch.nonzero``/``equal``/
+    ``allclose``, and indexing with a boolean tensor (its result's size is data: also a sync on CUDA). A mode,
+    not patched ``torch.Tensor`` attributes: a ``__getitem__`` once set on ``torch.Tensor`` leaves it a
+    Python-level sequence slot even after it is removed, and ``torch.tensor([t0, t1])`` then calls ``len(t0)``
+    in every later test of the process."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _READBACKS or name in ("equal", "allclose"):
+            self.count += 1
+        elif name == "__getitem__":
+            parts = args[1] if isinstance(args[1], tuple) else (args[1],)
+            self.count += any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counted_readbacks():
+    """Count host read-backs while the block runs; yields a one-item list whose value is read after the block."""
+    count = [0]
+    mode = _CountedReadbacks()
+    try:
+        with mode:
+            yield count
+    finally:
+        count[0] = mode.count
+
+
+def test_replay_adds_no_host_sync_and_counts_once_under_gradient_checkpointing():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_moe_model(), dtype=torch.float32)
+    model.train()
+    ids = _ids(n=4)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = mask[3, :2] = 0  # left padding: the table finds rows by their real tokens
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    k, layers = model.config.num_experts_per_tok, model.config.num_hidden_layers
+    own = torch.stack([torch.topk(r.float().softmax(-1), k, -1).indices.reshape(*ids.shape, k)
+                       for r in out.router_logits], dim=2).to(torch.int16)
+    routes = torch.where(mask[:, :, None, None].bool(), own, torch.full_like(own, -1))  # the model's own routing
+    sequences = [ids[i][mask[i].bool()].tolist() for i in range(len(ids))]
+    table = RouteTable(sequences, [own[i][mask[i].bool()] for i in range(len(ids))], layers, k)
+    assert torch.equal(table.lookup(ids, mask), routes)
+    expected = int((routes >= 0).all(-1).sum())  # token-layer routings replayed per forward
+
+    def step(checkpointing: bool) -> int:
+        model.zero_grad(set_to_none=True)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_disable()
+        with counted_readbacks() as count:
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            logits.float().log_softmax(-1)[..., 7].sum().backward()
+        return count[0]
+
+    for checkpointing in (False, True):
+        plain = step(checkpointing)  # the model's own read-backs (its expert loop's, ...)
+        replay = RoutingReplay(model)
+        with replay.replaying(routes):
+            with_tensor = step(checkpointing)
+        assert replay.replayed == expected and replay.changed == 0  # once, recomputed or not
+        with replay.replaying(table):
+            with_table = step(checkpointing)
+            with_table_again = step(checkpointing)
+        assert (with_tensor, with_table, with_table_again) == (plain, plain, plain), checkpointing
+        assert replay.replayed == 2 * expected and replay.changed == 0
+    model.gradient_checkpointing_disable()

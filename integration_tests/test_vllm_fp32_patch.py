@@ -1,7 +1,8 @@
-"""The fp32 logits patch (for vLLM without head_dtype) on a real in-process vLLM 0.31 engine.
+"""The in-process fp32 logits patch on a real in-process engine of the installed vLLM.
 
 The engine is the recipe *without* ``hf_overrides``: its head is bf16 unless the patch is
-on. The patch is a class attribute looked up at call time, so one engine shows both states.
+on. The patch is a class attribute looked up at call time, so one engine shows both states,
+and ``verify_engine`` measures each in the engine's worker (here, this process).
 """
 
 from __future__ import annotations
@@ -82,3 +83,23 @@ def test_patched_engine_has_an_fp32_head(llm, path):
     assert patched[0] <= 2e-3
     assert patched[0] * 3 <= patched[1]
     assert patched[0] * 3 <= plain_vs_fp32_trainer  # without the patch the head rounds to bf16
+
+
+def test_verify_engine_says_why_it_cannot_ask_the_engine(llm):
+    """Without the plugin's worker method (rollout-parity not loaded where the engine runs), vLLM's own
+    run_method refuses the call: the head is then not held, whatever this process holds."""
+    from rollout_parity.adapters.vllm import install_head_report, revert_head_report
+    from rollout_parity.core.vllm_recipe import EngineParityError, describe_engine
+
+    if not is_vllm_fp32_logits_patched():
+        apply_vllm_fp32_logits_patch()
+    assert describe_engine(llm)["head_dtype"] == "float32"
+    assert revert_head_report() is True
+    try:
+        assert verify_engine(llm, fp32_lm_head=True)["fp32_lm_head"] is False
+        with pytest.raises(EngineParityError, match="head dtype unknown .*could not run rollout_parity_head_report"
+                                                    ".*plugin is not loaded there"):
+            verify_engine(llm, fp32_lm_head=True, strict=True)
+    finally:
+        assert install_head_report() is True and install_head_report() is False
+    assert verify_engine(llm, fp32_lm_head=True)["fp32_lm_head"] is True

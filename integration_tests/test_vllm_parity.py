@@ -114,6 +114,24 @@ def test_sampler_logprobs_match_processed_logprobs_with_filters(llm, hf_old):
     assert raw.abs().mean() > 20 * d.mean()
 
 
+def test_the_sync_probe_with_top_k_at_the_vocabulary_size_measures_what_it_measures_without(llm):
+    """The probe's request to an engine with sampling masks carries top_k = the vocabulary size (vLLM refuses
+    top_k <= 0 there): in vLLM's own sampler that keeps every token, so the tokens and processed logprobs are
+    those of the request without top_k, bit for bit."""
+    from rollout_parity.core.sync_check import engine_probe_params, make_probe, probe_sampling_params
+
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    probe = make_probe(vocab)
+    with_k = probe_sampling_params(probe, 0.7, vocab_size=vocab)
+    without = engine_probe_params(llm.llm_engine.vllm_config.model_config, probe, 0.7)  # no sampling masks here
+    assert with_k == {**without, "top_k": vocab} and "top_k" not in without
+    outs = [llm.generate([{"prompt_token_ids": list(p), "cache_salt": uuid.uuid4().hex} for p in probe.prompts],
+                         SamplingParams(**params), use_tqdm=False) for params in (without, with_k)]
+    for a, b in zip(*outs):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        assert torch.equal(vllm_token_logprobs(a)[1], vllm_token_logprobs(b)[1])
+
+
 def test_fp32_head_on_both_sides_lowers_the_mismatch_3x(llm, hf_old):
     prompts = _prompts(24)
     sampled = _sample(llm, prompts, max_tokens=32, temperature=0.7)

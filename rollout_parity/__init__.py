@@ -1,6 +1,6 @@
 """rollout-parity: remove, then correct, the training-inference mismatch of LLM RL.
 
-The public face is fixed by DESIGN.md; adapters and users import only these names.
+The public face (docs/flags.md); adapters and users import only these names.
 Attributes resolve lazily so that ``import rollout_parity`` costs nothing beyond torch
 and never imports a framework.
 """
@@ -31,6 +31,7 @@ _EXPORTS = {
     "vllm_parity_kwargs": "rollout_parity.core.vllm_recipe",
     "vllm_serve_flags": "rollout_parity.core.vllm_recipe",
     "verify_engine": "rollout_parity.core.vllm_recipe",
+    "verify_engine_async": "rollout_parity.core.vllm_recipe",
     "WeightVersion": "rollout_parity.core.weight_update",
     "update_weights_in_flight": "rollout_parity.core.weight_update",
     "update_weights_sync": "rollout_parity.core.weight_update",

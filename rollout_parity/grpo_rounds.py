@@ -52,6 +52,7 @@ __all__ = [
     "trainer_scores",
     "engine_environment",
     "is_vllm_cpu_build",
+    "execution_mode_kwargs",
     "shutdown",
 ]
 
@@ -68,6 +69,17 @@ def is_vllm_cpu_build() -> bool:
         return True
     except importlib.metadata.PackageNotFoundError:
         return False
+
+
+def execution_mode_kwargs() -> dict:
+    """How the doctor's and the check's engines execute: as users run them, except on CPU.
+
+    On a ``vllm-cpu`` build, ``enforce_eager=True`` (what the CPU suite measured: no torch.compile warm-up
+    per engine on a shared CPU). Elsewhere nothing: vLLM's defaults, the compiled model with CUDA graphs
+    (``compilation_config`` mode VLLM_COMPILE, ``cudagraph_mode`` FULL_AND_PIECEWISE on a GPU), which is the
+    engine a GPU user's trainer samples from, so that is the engine measured.
+    """
+    return {"enforce_eager": True} if is_vllm_cpu_build() else {}
 
 
 @contextlib.contextmanager

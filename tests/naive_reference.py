@@ -1,6 +1,6 @@
-"""A deliberately naive, per-token Python re-implementation of DESIGN.md, to check the core against.
+"""A deliberately naive, per-token Python re-implementation of docs/flags.md, to check the core against.
 
-Plain floats (float64) and loops over sequences and tokens, written from DESIGN.md's text, the
+Plain floats (float64) and loops over sequences and tokens, written from that page's text, the
 seeds (../shared/seeds/ms-swift-rollout-importance-sampling.txt for the diagnostics,
 ../shared/seeds/tim-diagnosis-paper.txt for δ_t, K1/K2/K3, rejection and C(r)) and verl's
 published metric definitions, not from the core's code. It imports nothing from
@@ -11,7 +11,7 @@ behind the same parsing here.
 Inputs are nested lists: ``old``, ``rollout``, ``current`` ``[B][T]`` logprobs, ``mask``
 ``[B][T]`` 0/1, ``advantages`` ``[B]`` or ``[B][T]``.
 
-Bad-input rules (DESIGN.md, "Bad input"), one token at a time:
+Bad-input rules (docs/flags.md, "Bad input"), one token at a time:
 
 * the token log-ratio log r = num − den: a NaN (or +inf, which no logprob can be) on either
   side is neutral, log r = 0 (weight 1); −inf on one side is maximal mismatch, log r = ±20;
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 BOUND = 20.0
 INF = math.inf
 
-#: DESIGN.md's flag table: name -> default.
+#: The first flags of docs/flags.md's table: name -> default.
 DEFAULTS = {
     "rollout_importance_sampling_mode": None,
     "rollout_importance_sampling_threshold": 2.0,
@@ -47,7 +47,7 @@ DEFAULTS = {
     "log_rollout_offpolicy_metrics": False,
     "fp32_lm_head": False,
 }
-#: Flags beyond DESIGN.md's first table ("Flags beyond the first set"), listed in the README's flag table;
+#: The later flags of docs/flags.md's table (they came with the parity layer and the weight-sync check);
 #: none of them changes the correction (replay changes pi_old, which the reference takes as given), so the
 #: reference ignores them.
 LATER_DEFAULTS = {
@@ -75,7 +75,7 @@ class Rule:
 
 
 def _k1_range(spec):
-    """DESIGN.md: K1 takes ``"lo_hi"`` or a pair; one value ``hi`` means ``[1/hi, hi]``."""
+    """docs/flags.md: K1 takes ``"lo_hi"`` or a pair; one value ``hi`` means ``[1/hi, hi]``."""
     if isinstance(spec, str):
         values = [float(v) for v in spec.split("_")]
     elif isinstance(spec, (list, tuple)):
@@ -89,10 +89,10 @@ def _k1_range(spec):
 
 
 def parse_flags(raw: dict) -> dict:
-    """DESIGN.md's flags with their defaults filled in and the rejection options parsed."""
+    """The shared flags with their defaults filled in and the rejection options parsed."""
     unknown = set(raw) - set(DEFAULTS) - {"description"}
     if unknown:
-        raise KeyError(f"not a DESIGN.md flag: {sorted(unknown)}")
+        raise KeyError(f"not a shared flag: {sorted(unknown)}")
     f = dict(DEFAULTS)
     f.update({k: v for k, v in raw.items() if k != "description"})
     if f["rollout_importance_sampling_mode"] in ("null", "none", "None", ""):
@@ -138,7 +138,7 @@ def is_nan_like(x):
 
 
 def token_log_ratio(num, den):
-    """log(num/den) of two logprobs under DESIGN.md's bad-input rule, clamped to ±20."""
+    """log(num/den) of two logprobs under the bad-input rule, clamped to ±20."""
     if is_nan_like(num) or is_nan_like(den):
         return 0.0
     if num == -INF and den == -INF:
@@ -183,7 +183,7 @@ class Naive:
 
 
 def naive_correction(raw_flags, old, rollout, mask, advantages=None, current=None) -> Naive:
-    """DESIGN.md's "Corrections" for one batch, token by token."""
+    """The corrections for one batch, token by token."""
     f = parse_flags(raw_flags)
     bypass = f["old_logprob_source"] == "bypass"
     mode = f["rollout_importance_sampling_mode"]
@@ -216,7 +216,7 @@ def naive_correction(raw_flags, old, rollout, mask, advantages=None, current=Non
         out.seq_log_ratio[i] = seq_lr
         rho = math.exp(seq_lr)
 
-        # Importance-sampling weights (DESIGN.md, the four modes).
+        # Importance-sampling weights (docs/flags.md, the four modes).
         if mode is not None:
             seq_inside = rho <= C and (lo is None or rho >= lo)
             for t in range(T):

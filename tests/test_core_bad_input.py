@@ -1,6 +1,6 @@
-"""DESIGN.md's bad-input rules: a clear error, or a counted and neutral handling.
+"""The bad-input rules (docs/flags.md): a clear error, or a counted and neutral handling.
 
-One test (or more) per rule of DESIGN.md's "Bad input" list, as far as it concerns the core:
+One test (or more) per rule of docs/flags.md's "Bad input" list, as far as it concerns the core:
 shapes that disagree (both fields and both shapes named), non-finite logprobs (neutral and
 counted; the property test in ``test_core_nonfinite.py`` covers every placement), empty masks
 and all-rejected batches (a zero loss that still backpropagates, finite metrics). Bad config

@@ -1,4 +1,4 @@
-"""CorrectionConfig: every DESIGN.md flag under its exact name, validated at construction."""
+"""CorrectionConfig: every shared flag under its exact name, validated at construction."""
 
 from __future__ import annotations
 
@@ -10,18 +10,15 @@ import pytest
 import yaml
 
 from rollout_parity import CorrectionConfig
-# DESIGN.md's flag table written out (the naive reference's), so a clone without ../shared checks it too
-from tests.naive_reference import DEFAULTS as DESIGN_DEFAULTS, LATER_DEFAULTS
+# The flag table written out (the naive reference's), checked against the code and against the docs' table
+from tests.naive_reference import DEFAULTS as FLAG_DEFAULTS, LATER_DEFAULTS
 
-DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
+FLAGS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 
 
-def design_flag_table():
-    """``{flag: default}`` parsed from DESIGN.md's table, or None when ../shared is not beside the checkout."""
-    if not DESIGN.exists():
-        return None
-    table = DESIGN.read_text().split("## The shared flags", 1)[-1].split("Notation:", 1)[0]
-    rows = re.findall(r"^\| `([a-z0-9_]+)` \|.*\| ([^|]+) \|$", table, flags=re.M)
+def docs_flag_table():
+    """``{flag: default}`` parsed from the flag table of docs/flags.md (the one users read)."""
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|[^|]*\| ([^|]+) \|", FLAGS_PAGE.read_text(), flags=re.M)
     words = {"`null`": None, "—": None, "false": False, "true": True}
 
     def value(text):
@@ -36,24 +33,23 @@ def design_flag_table():
     return {name: value(default) for name, default in rows}
 
 
-def test_every_design_flag_exists_with_its_default():
-    """Always runs: CorrectionConfig's fields and defaults are exactly DESIGN.md's table and the later flags."""
+def test_every_flag_exists_with_its_default():
+    """CorrectionConfig's fields and defaults are exactly the written-out table and the later flags."""
     fields = {f.name: f.default for f in dataclasses.fields(CorrectionConfig)}
-    assert fields == {**DESIGN_DEFAULTS, **LATER_DEFAULTS}
+    assert fields == {**FLAG_DEFAULTS, **LATER_DEFAULTS}
     cfg = CorrectionConfig()
-    assert {name: getattr(cfg, name) for name in DESIGN_DEFAULTS} == DESIGN_DEFAULTS
+    assert {name: getattr(cfg, name) for name in FLAG_DEFAULTS} == FLAG_DEFAULTS
     assert cfg.rollout_importance_sampling_threshold == 2.0 and type(cfg.rollout_importance_sampling_threshold) is float
     assert cfg.log_rollout_offpolicy_metrics is False and cfg.fp32_lm_head is False
     assert not cfg.changes_loss and not cfg.wants_metrics
 
 
-def test_design_md_table_is_the_one_written_here():
-    """Optional: only where ../shared/DESIGN.md sits beside the checkout."""
-    table = design_flag_table()
-    if table is None:
-        pytest.skip("shared/DESIGN.md is not beside the checkout (the defaults are still checked above)")
-    assert table == DESIGN_DEFAULTS
-    assert "Flags beyond the first set" in DESIGN.read_text()  # where the others are allowed
+def test_the_docs_flag_table_lists_every_flag_with_its_default():
+    """docs/flags.md's table names every field of CorrectionConfig, with the default the code has."""
+    table = docs_flag_table()
+    fields = {f.name: f.default for f in dataclasses.fields(CorrectionConfig)}
+    assert table == {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None else v)
+                     for k, v in fields.items()}
 
 
 @pytest.mark.parametrize("flags, flag_named", [
@@ -168,7 +164,7 @@ def test_required_presets_and_their_meaning(name):
     """Every flag of the preset, so an edit of its YAML shows here even where a test batch cannot tell."""
     assert name in CorrectionConfig.available_presets()
     got = CorrectionConfig.preset(name).to_dict()
-    changed = {k: v for k, v in got.items() if v != {**DESIGN_DEFAULTS, **LATER_DEFAULTS}[k]}
+    changed = {k: v for k, v in got.items() if v != {**FLAG_DEFAULTS, **LATER_DEFAULTS}[k]}
     assert changed == PRESET_MEANING[name]
 
 

@@ -360,7 +360,7 @@ def test_policy_loss_denominators_match_naive(agg, options):
 
 @pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
 def test_a_sequence_ratio_past_the_bound_is_clamped_to_it(mode):
-    """log rho = 30 (three tokens at log r = 10, product) is clamped to 20 before exp (DESIGN.md): under a
+    """log rho = 30 (three tokens at log r = 10, product) is clamped to 20 before exp (docs/flags.md): under a
     cap of 1e10 (between e^20 and e^30) the sequence keeps weight e^20 instead of being masked or capped."""
     flags = dict(rollout_importance_sampling_mode=mode, rollout_importance_sampling_threshold=1e10,
                  rollout_importance_sampling_sequence_reduction="product",

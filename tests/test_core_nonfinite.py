@@ -1,7 +1,7 @@
 """Property test: NaN and ±inf anywhere (padding or valid tokens, π_old, π_rollout, π_θ, and
 advantages on padding) never leak into the loss, its gradient or any metric.
 
-DESIGN.md, "Bad input": a non-finite logprob is neutral and counted in ``nonfinite_frac``,
+docs/flags.md, "Bad input": a non-finite logprob is neutral and counted in ``nonfinite_frac``,
 never a silent NaN. Every number is also checked against the naive per-token reference,
 which applies those rules one token at a time, so "finite" cannot hide "wrong".
 Derandomised, so a failure reproduces.

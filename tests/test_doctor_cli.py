@@ -188,10 +188,13 @@ def test_framework_lines_spell_each_frameworks_syntax():
     assert lines["trl"] == ("--rollout_importance_sampling_mode token_truncate --rollout_rejection seq_sum_k3 "
                             "--rollout_rejection_threshold 0.001 --fp32_lm_head true")
     nemo = yaml.safe_load(lines["nemo_rl"])
-    assert CorrectionConfig.from_dict(nemo["loss_fn"]["rollout_correction"]) == cfg
+    # NeMo RL refuses fp32_lm_head (its trainer head stays bf16): left out, and the lines say why.
+    assert CorrectionConfig.from_dict(nemo["loss_fn"]["rollout_correction"]) == cfg.replace(fp32_lm_head=False)
+    assert lines["nemo_rl"].splitlines()[0].startswith("# fp32_lm_head left out: NeMo RL's policy workers")
     assert nemo["policy"]["generation"]["vllm_cfg"] == {"enable_prefix_caching": False,
                                                          "logprobs_mode": "processed_logprobs"}
-    assert nemo["policy"]["hf_config_overrides"] == {"head_dtype": "float32"}
+    assert "hf_config_overrides" not in nemo["policy"]
+    assert not framework_lines(cfg.replace(fp32_lm_head=False))["nemo_rl"].startswith("#")
     # A K1 range stays a string in Hydra (quoted) and on TRL's command line.
     k1 = CorrectionConfig(rollout_rejection=["seq_mean_k1", "token_k3"], rollout_rejection_threshold=["0.5_2.0", 0.01])
     lines = framework_lines(k1)

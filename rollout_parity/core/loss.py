@@ -17,7 +17,7 @@ Aggregation over the corrected mask (verl's names):
 data-parallel or NeMo RL-style global normalisation. An empty mask gives a zero loss that
 still backpropagates.
 
-Non-finite inputs (DESIGN.md, "Bad input"): a NaN or +inf π_old is neutral (ratio 1, the
+Non-finite inputs (docs/flags.md, "Bad input"): a NaN or +inf π_old is neutral (ratio 1, the
 token keeps ∇ log π_θ); a −inf π_θ or π_old is maximal mismatch (log-ratio at ±20, no
 gradient; 0 when the other side is NaN or −inf too); a NaN or +inf π_θ has neither a value
 nor a gradient to give, so that token leaves the loss and its metrics (``compute_correction``

@@ -1,4 +1,4 @@
-"""Log-ratios with DESIGN.md's bad-input rules, shared by weights, rejection and metrics.
+"""Log-ratios with the bad-input rules of docs/flags.md, shared by weights, rejection and metrics.
 
 ``δ_t = log π_old^train − log π_old^rollout`` is the paper's token mismatch (eq. 1,
 ../shared/seeds/tim-diagnosis-paper.txt); ``r_corr,t = exp(δ_t)``.
@@ -60,7 +60,7 @@ def sanitized_log_ratio(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``numerator − denominator`` per token, made finite, and the non-finite count mask.
 
-    DESIGN.md's rules: a NaN (or a +inf, which no logprob can be) on either side is
+    The rules (docs/flags.md, "Bad input"): a NaN (or a +inf, which no logprob can be) on either side is
     neutral, log-ratio 0 (weight 1); a −inf on one side is maximal mismatch, the clamp
     bound ±20; −inf on both sides agree and are neutral. Padding gets 0.
 

@@ -18,7 +18,11 @@ stands in there. ``sampler_logprobs`` and ``sampler_logprobs_from_hidden`` take 
 vLLM's own limits (``vllm/config/vllm.py``, ``v1/engine/input_processor.py``): replay needs Model
 Runner V2 (which needs Triton: it does not start on CPU), ``processed_logprobs``, temperature > 0
 and ``top_k > 0`` on every request (to bound the mask's size), and no speculative decoding or
-custom logits processors. docs/fp32_and_sampler.md, "Sampling replay".
+custom logits processors. The bound: vLLM sizes its compact per-token buffer by the batch's largest
+top_k, at most 2,048 ids (``MAX_COMPACT_SUPPORT``, ``v1/worker/gpu/sample/output.py``); a wider set
+comes back through a vocabulary-size bitmask, as a list of every kept id. A top_k at the vocabulary
+size therefore bounds nothing: with a wide top-p each token's set can be the whole vocabulary.
+docs/fp32_and_sampler.md, "Sampling replay".
 """
 
 from __future__ import annotations

@@ -530,8 +530,8 @@ def rollout_on_full_vocabulary(rollout_logprobs: torch.Tensor, full_old: torch.T
     A token the recomputed kept set missed has a finite log S under the boundary rule (the set
     with the token added), so it moves like any other. Where the result is still not finite (an
     engine NaN / inf, a token missing from the engine's own replayed set, or a strict -inf
-    ``processed_old``), the trainer's own ``full_old`` stands in (a neutral ratio), as DESIGN.md's
-    bad-input rules ask; those tokens are counted in ``nonfinite_frac``.
+    ``processed_old``), the trainer's own ``full_old`` stands in (a neutral ratio), as the
+    bad-input rules ask (docs/flags.md); those tokens are counted in ``nonfinite_frac``.
     """
     check_shapes("rollout_logprobs", rollout_logprobs, full_old=full_old, processed_old=processed_old)
     log_s = full_old - processed_old

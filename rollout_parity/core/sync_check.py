@@ -26,7 +26,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["SyncProbe", "make_probe", "trainer_probe_logprobs", "SyncCheckResult", "WeightSyncError", "judge",
+__all__ = ["SyncProbe", "make_probe", "probe_sampling_params", "engine_probe_params", "trainer_probe_logprobs",
+           "SyncCheckResult", "WeightSyncError", "judge",
            "parameter_group", "unsent_groups", "SyncSchedule"]
 
 
@@ -54,13 +55,42 @@ def make_probe(vocab_size: int, *, num_prompts: int = 4, prompt_len: int = 16, n
     return SyncProbe(tuple(tuple(int(t) for t in row) for row in ids), new_tokens, seed)
 
 
+def probe_sampling_params(probe: SyncProbe, temperature: float, *, vocab_size: Optional[int] = None) -> dict:
+    """vLLM ``SamplingParams`` kwargs for the probe: ``temperature``, ``max_tokens`` = ``probe.new_tokens``, the
+    probe's seed, ``ignore_eos``, and the sampled token's logprob (``logprobs=0``); no top-p, min-p or top-k.
+
+    ``vocab_size`` (the engine's, ``model_config.get_vocab_size()``): for an engine built with
+    ``return_sampling_mask`` (``rollout_sampling_replay``), which refuses every request with ``top_k <= 0``
+    (``vllm/v1/engine/input_processor.py``, "sampling distribution replay requires top_k > 0"). ``top_k`` is
+    then the vocabulary size: vLLM keeps every token there (Model Runner V2 stores a top-k at the vocabulary
+    size as "off", ``v1/worker/gpu/sample/states.py``), so the processed logprobs stay ``log_softmax(logits /
+    T)``; each probe token's kept set comes back as the whole vocabulary (vLLM's packed bitmask path, wider
+    than its 2,048-id compact buffer), one per probe token, once per checked sync.
+    """
+    params = {"temperature": float(temperature), "max_tokens": probe.new_tokens, "seed": probe.seed,
+              "ignore_eos": True, "logprobs": 0}
+    if vocab_size is not None:
+        if int(vocab_size) < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        params["top_k"] = int(vocab_size)
+    return params
+
+
+def engine_probe_params(model_config: Any, probe: SyncProbe, temperature: float) -> dict:
+    """:func:`probe_sampling_params` for the engine whose resolved ``model_config`` (vLLM's ``ModelConfig``) is
+    given: with ``top_k`` = its vocabulary size when it returns sampling masks, else without ``top_k``."""
+    masks = bool(getattr(model_config, "return_sampling_mask", False))
+    return probe_sampling_params(probe, temperature, vocab_size=model_config.get_vocab_size() if masks else None)
+
+
 def trainer_probe_logprobs(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                           temperature: float = 1.0) -> torch.Tensor:
+                           temperature: float = 1.0, device: Any = None) -> torch.Tensor:
     """(N, K) logprobs of each completion token under a Hugging Face causal LM, ``log_softmax(logits / T)``
-    in fp32; one forward of the right-padded batch (padding sits after every scored token)."""
+    in fp32; one forward of the right-padded batch (padding sits after every scored token). ``device``: where
+    the model computes (default: where its parameters are; a trainer that keeps them offloaded names its own)."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     width, k = max(lengths), max(len(c) for c in completions)
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device if device is None else torch.device(device)
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for i, (p, c) in enumerate(zip(prompts, completions)):

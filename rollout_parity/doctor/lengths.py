@@ -39,7 +39,7 @@ from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.ratios import TokenStats, sanitized_log_ratio
 
 __all__ = ["BUDGET", "UNMEASURED", "DENSE_SHARE", "DRAWS", "GRID", "REFERENCE_LENGTHS", "resample", "statistic",
-           "dropped_share", "fit_rejection", "length_scan"]
+           "dropped_share", "fit_rejection", "length_scan", "tokens_to_json", "tokens_from_report", "predict_dropped"]
 
 #: The advice never drops more than this share of the parity rows' sequences (or tokens, token-level).
 BUDGET = 0.05
@@ -156,6 +156,61 @@ def dropped_share(cfg: CorrectionConfig, tensors: Tensors) -> float:
     has_tokens = (mask != 0).any(-1)
     n = int(has_tokens.sum())
     return float((has_tokens & ~alive).sum()) / n if n else 0.0
+
+
+def tokens_to_json(tensors: Tensors) -> dict[str, list[str]]:
+    """One row's measured ``(pi_old, pi_rollout, mask)`` for the JSON report: per completion, one string of
+    its valid tokens' logprobs (space-separated, float32's 9 significant digits: exact).
+
+    The mask of a doctor row is a prefix per completion (right padding), so :func:`tokens_from_report`
+    gives back the same tensors and a saved run predicts any flags at any length without an engine
+    (:func:`predict_dropped`).
+    """
+    old, rollout, mask = tensors
+    valid = mask != 0
+    n = valid.sum(-1)
+    if not bool((valid == (torch.arange(mask.shape[1]) < n[:, None])).all()):
+        raise ValueError("tokens_to_json: the mask must be a prefix of each completion (right padding)")
+
+    def rows(t: torch.Tensor) -> list[str]:
+        return [" ".join(f"{x:.9g}" for x in t[r, : int(n[r])].tolist()) for r in range(t.shape[0])]
+
+    return {"trainer_logprobs": rows(old), "rollout_logprobs": rows(rollout)}
+
+
+def tokens_from_report(report: Mapping[str, Any]) -> dict[str, Tensors]:
+    """The parity rows' ``(pi_old, pi_rollout, mask)`` saved in a doctor report (``lengths.tokens``)."""
+    out = {}
+    for name, saved in ((report.get("lengths") or {}).get("tokens") or {}).items():
+        seqs = [([float(x) for x in o.split()], [float(x) for x in ro.split()])
+                for o, ro in zip(saved["trainer_logprobs"], saved["rollout_logprobs"], strict=True)]
+        width = max((len(o) for o, _ in seqs), default=0)
+        old, rollout, mask = (torch.zeros(len(seqs), width, dtype=torch.float32) for _ in range(3))
+        for r, (o, ro) in enumerate(seqs):
+            if len(o) != len(ro):
+                raise ValueError(f"tokens_from_report: row {name!r} completion {r} has {len(o)} trainer and "
+                                 f"{len(ro)} rollout logprobs")
+            old[r, : len(o)] = torch.tensor(o, dtype=torch.float32)
+            rollout[r, : len(ro)] = torch.tensor(ro, dtype=torch.float32)
+            mask[r, : len(o)] = 1.0
+        out[name] = (old, rollout, mask)
+    if not out:
+        raise ValueError("tokens_from_report: the report holds no measured tokens (lengths.tokens); rerun the "
+                         "doctor with --json")
+    return out
+
+
+def predict_dropped(cfg: CorrectionConfig, report: Mapping[str, Any], length: int) -> dict[str, float]:
+    """Each saved parity row's share of sequences ``cfg`` drops at ``length`` tokens, as the doctor predicts it.
+
+    The doctor's own ``rej@L`` for a saved run: the measured completions at their length, or pseudo-answers
+    of ``length`` tokens (:func:`resample`, with the run's seed and GRPO group) scored by the full correction.
+    """
+    opts = report.get("options") or {}
+    measured = int((report.get("lengths") or {}).get("measured") or report["sampling"]["max_tokens"])
+    seed, group = int(opts.get("seed", 0)), int(opts.get("samples", 1))
+    return {name: dropped_share(cfg, _at(t, measured, length, seed, group))
+            for name, t in tokens_from_report(report).items()}
 
 
 def _at(tensors: Tensors, measured: int, length: int, seed: int, group: int = 1) -> Tensors:

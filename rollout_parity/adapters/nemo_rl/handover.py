@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from typing import Any, Mapping
 
 import torch
 
 from rollout_parity.adapters._refusals import refuse_engine_side_flags
 from rollout_parity.adapters.nemo_rl import diagnostics
+from rollout_parity.adapters.nemo_rl.recipe import NEMO_RL_FP32_HEAD_REFUSAL
 from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, GUARD_KEY, as_dict, split_loss_config
 from rollout_parity.adapters.nemo_rl.versions import nemo_loss_names
 from rollout_parity.core.config import CorrectionConfig
@@ -69,6 +69,8 @@ class RolloutParityLossFn:
         if correction.rollout_sampling_replay:
             raise ValueError("rollout_sampling_replay=True: NeMo RL's generation hands the loss no per-token kept "
                              "sets (vLLM's sampling masks), so there is nothing to replay; leave it off here")
+        if correction.fp32_lm_head:
+            raise ValueError(f"rollout_correction.{NEMO_RL_FP32_HEAD_REFUSAL}")
         keys = as_dict(nemo_config)
         if set(keys) & {BLOCK_KEY, GUARD_KEY}:
             raise ValueError(f"nemo_config carries loss_fn.{BLOCK_KEY}: build from the whole block with "
@@ -84,11 +86,6 @@ class RolloutParityLossFn:
                 logger.info("rollout-parity: NeMo RL's loss_fn.use_importance_sampling_correction: true -> "
                             "false inside RolloutParityLossFn (rollout_correction's IS weight is the one applied)")
                 keys["use_importance_sampling_correction"] = False
-        if correction.fp32_lm_head:
-            warnings.warn("rollout_correction.fp32_lm_head: NeMo RL's policy workers compute their head in the "
-                          "model dtype and rollout-parity does not patch them; only vLLM's side is set, through "
-                          "policy.hf_config_overrides (nemo_rl_generation_config(fp32_lm_head=True))",
-                          UserWarning, stacklevel=2)
         self.correction = correction
         self.metrics_mode = metrics
         self.nemo_loss_fn = names.ClippedPGLossFn(names.ClippedPGLossConfig(**keys), *nemo_args, **nemo_kwargs)

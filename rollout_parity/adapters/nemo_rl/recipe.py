@@ -9,7 +9,20 @@ from typing import Any, Mapping
 
 from rollout_parity.adapters.nemo_rl.versions import NEMO_RL_VERSION
 
-__all__ = ["NEMO_RL_FIXED_LLM_KWARGS", "nemo_rl_generation_config", "check_nemo_rl_vllm_kwargs"]
+__all__ = ["NEMO_RL_FIXED_LLM_KWARGS", "NEMO_RL_FP32_HEAD_REFUSAL", "nemo_rl_generation_config",
+           "check_nemo_rl_vllm_kwargs"]
+
+#: Why ``fp32_lm_head`` is refused on NeMo RL (docs/nemo_rl.md, "The fp32 head").
+NEMO_RL_FP32_HEAD_REFUSAL = (
+    "fp32_lm_head=True cannot be served on NeMo RL: its trainer computes pi_old and pi_theta with the head in "
+    "policy.precision (bf16 in its recipes), and NeMo RL has no setting that changes that for a causal LM. The "
+    "DTensor policy worker runs the model under torch.autocast(dtype=policy.precision) and FSDP2's "
+    "MixedPrecisionPolicy(param_dtype=policy.precision) (models/policy/workers/dtensor_policy_worker.py, "
+    "models/dtensor/parallelize.py), the v2 worker under that policy (models/automodel/setup.py; Automodel's "
+    "dtensor_cfg.moe_parallelizer.lm_head_precision covers its own MoE models only), and rollout-parity's code "
+    "reaches no policy worker before its first pi_old pass. vLLM's side alone (hf_overrides head_dtype) would "
+    "move pi_rollout away from that pi_old: leave "
+    "fp32_lm_head off on NeMo RL")
 
 # What NeMo RL v0.7's vllm_worker.py passes to vllm.LLM itself: the same key in vllm_kwargs
 # is a duplicate keyword (TypeError). Main passes the same minus logprobs_mode.
@@ -36,10 +49,13 @@ def nemo_rl_generation_config(fp32_lm_head: bool = False, prefix_cache_policy: s
     ``vllm_cfg`` (v0.7 ignores ``vllm_cfg.logprobs_mode`` and fixes the same value);
     ``hf_overrides`` go to ``policy.hf_config_overrides`` (``grpo.py`` overwrites
     ``vllm_kwargs["hf_overrides"]`` with it); everything else (``async_scheduling``) is
-    ``policy.generation.vllm_kwargs``.
+    ``policy.generation.vllm_kwargs``. ``fp32_lm_head=True`` raises ``ValueError``
+    (:data:`NEMO_RL_FP32_HEAD_REFUSAL`): NeMo RL's trainer head stays bf16.
     """
     from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
+    if fp32_lm_head:
+        raise ValueError(NEMO_RL_FP32_HEAD_REFUSAL)
     recipe = dict(vllm_parity_kwargs(fp32_lm_head=fp32_lm_head,
                                      prefix_cache_policy=prefix_cache_policy, **vllm_kwargs))
     logprobs_mode = recipe.pop("logprobs_mode", "processed_logprobs")

@@ -1,4 +1,4 @@
-"""TRL adapter: the shared flags of DESIGN.md in TRL's ``GRPOTrainer``, through TRL's own loss.
+"""TRL adapter: the shared flags (docs/flags.md) in TRL's ``GRPOTrainer``, through TRL's own loss.
 
 Use ``ParityGRPOConfig``/``ParityGRPOTrainer`` in a script, ``rollout-parity launch`` around an
 unmodified one, or :func:`apply` on a built ``GRPOTrainer``. ``compute_correction`` runs once per
@@ -18,7 +18,7 @@ The rooms, in the order a run meets them:
 * ``patches``     ``apply``, ``revert``, ``is_applied`` on one trainer, through ``adapters/_patching.py``;
 * ``trainer``     ``ParityGRPOTrainer``.
 
-Math: ../shared/DESIGN.md and ``rollout_parity.core``. Everything else: docs/trl.md.
+Math: docs/flags.md and ``rollout_parity.core``. Everything else: docs/trl.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TRL's config in: ``ParityGRPOConfig`` is ``GRPOConfig`` plus the shared flags of DESIGN.md.
+"""TRL's config in: ``ParityGRPOConfig`` is ``GRPOConfig`` plus the shared flags (docs/flags.md).
 
 Parsed by ``TrlParser``/``HfArgumentParser`` like any TRL config, on the command line
 (``--rollout_importance_sampling_mode token_truncate``; list flags take several values) or in a TRL
@@ -26,7 +26,7 @@ def _shared_field(name: str) -> Any:
 
 @dataclass
 class ParityGRPOConfig(GRPOConfig):
-    """``GRPOConfig`` plus the shared rollout-parity flags (DESIGN.md, "The shared flags")."""
+    """``GRPOConfig`` plus the shared rollout-parity flags (docs/flags.md)."""
 
     rollout_importance_sampling_mode: Optional[str] = _shared_field("rollout_importance_sampling_mode")
     rollout_importance_sampling_threshold: float = _shared_field("rollout_importance_sampling_threshold")

@@ -1,7 +1,8 @@
 """TRL's vLLM engine on the parity recipe: colocated engines built with it, servers checked against it.
 
 :func:`parity_vllm_engine` wraps the ``LLM`` global of ``trl.generation.vllm_generation`` while TRL
-builds its colocated engine (``vllm_parity_kwargs`` merged over TRL's kwargs, each change logged);
+builds its colocated engine (:func:`colocated_engine_kwargs`: ``vllm_parity_kwargs`` merged over TRL's kwargs,
+each change logged; :func:`engine_options` reads its options from the flags);
 :func:`server_command` prints the ``trl vllm-serve`` line of the recipe; :func:`check_engine` reads
 the engine's resolved settings at ``apply`` and refuses raw logprobs. docs/trl.md, "Parity in TRL's vLLM".
 """
@@ -11,44 +12,65 @@ from __future__ import annotations
 import contextlib
 import logging
 import shlex
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from rollout_parity.adapters._patching import patched
 from rollout_parity.adapters._refusals import needs_rollout_logprobs
 from rollout_parity.core.config import CorrectionConfig
 
-__all__ = ["parity_vllm_engine", "server_command", "check_engine"]
+__all__ = ["engine_options", "colocated_engine_kwargs", "parity_vllm_engine", "server_command", "check_engine"]
 
 logger = logging.getLogger(__name__)
+
+
+def engine_options(cfg: CorrectionConfig) -> dict[str, Any]:
+    """:func:`parity_vllm_engine`'s options for the flags ``cfg``.
+
+    ``moe_routing_replay`` asks vLLM for routed experts, which vLLM returns only with prefix caching on: the
+    cache policy is then ``reset``. TRL resets its colocated engine's prefix cache after every weight sync
+    (``VLLMGeneration.sync_weights``) and the adapter's sync wrapper checks that the reset took (``sync.py``),
+    so no prefix cached under old weights is served after an update (docs/moe.md, "Routing replay").
+    """
+    return {"fp32_lm_head": cfg.fp32_lm_head, "prefix_cache_policy": "reset" if cfg.moe_routing_replay else "off",
+            "return_routed_experts": cfg.moe_routing_replay, "sampling_replay": cfg.rollout_sampling_replay}
+
+
+def colocated_engine_kwargs(trl_kwargs: Mapping[str, Any], fp32_lm_head: bool = False,
+                            prefix_cache_policy: str = "off", return_routed_experts: bool = False,
+                            sampling_replay: bool = False) -> dict[str, Any]:
+    """The kwargs TRL's colocated ``vllm.LLM`` is built with: TRL's own ``trl_kwargs`` with the parity recipe
+    over them (``vllm_parity_kwargs``; the recipe wins, ``hf_overrides`` merge). With ``return_routed_experts``
+    also vLLM's ``enable_return_routed_experts`` (which needs ``prefix_cache_policy`` other than ``off``)."""
+    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+
+    recipe = vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
+                                sampling_replay=sampling_replay, routed_experts=return_routed_experts)
+    merged = {**trl_kwargs, **recipe}
+    if "hf_overrides" in recipe:
+        merged["hf_overrides"] = {**(trl_kwargs.get("hf_overrides") or {}), **recipe["hf_overrides"]}
+    return merged
 
 
 @contextlib.contextmanager
 def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "off",
                        return_routed_experts: bool = False, sampling_replay: bool = False) -> Iterator[dict]:
-    """Build TRL's colocated ``vllm.LLM`` with the parity recipe while the block runs.
+    """Build TRL's colocated ``vllm.LLM`` with :func:`colocated_engine_kwargs` while the block runs.
 
-    TRL's kwargs plus ``vllm_parity_kwargs`` (the recipe wins, ``hf_overrides`` merge; with
-    ``sampling_replay`` also ``return_sampling_mask=True``), and vLLM's ``enable_return_routed_experts``
-    for ``moe_routing_replay``. Yields a dict that gets the final kwargs
-    under ``"kwargs"``. Nested blocks leave the outer one's wrapper.
+    Yields a dict that gets the final kwargs under ``"kwargs"``. Conflicting options (routed experts without
+    a prefix cache) raise before TRL builds anything. Nested blocks leave the outer one's wrapper.
     """
     from trl.generation import vllm_generation
 
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
-
+    options = dict(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
+                   return_routed_experts=return_routed_experts, sampling_replay=sampling_replay)
+    colocated_engine_kwargs({}, **options)  # refuse what cannot be built before TRL loads a model
     built: dict[str, Any] = {}
     if getattr(vllm_generation, "LLM", None) is None:  # no vLLM: TRL raises its own error
         yield built
         return
-    recipe = vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
-                                sampling_replay=sampling_replay)
-    if return_routed_experts:
-        recipe["enable_return_routed_experts"] = True  # vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)
 
     def with_recipe(original: Any, *args: Any, **kwargs: Any) -> Any:
-        merged = {**kwargs, **recipe}
-        if "hf_overrides" in recipe:
-            merged["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), **recipe["hf_overrides"]}
+        merged = colocated_engine_kwargs(kwargs, **options)
         changed = [f"{k}: {kwargs.get(k)!r} -> {merged[k]!r}" for k in merged if kwargs.get(k) != merged[k]]
         if changed:
             logger.info("rollout-parity: TRL's vLLM engine built with the parity recipe: %s", ", ".join(changed))
@@ -94,7 +116,8 @@ def check_engine(trainer: Any, cfg: CorrectionConfig) -> Optional[dict[str, bool
         else:
             from rollout_parity.core.vllm_recipe import verify_engine
 
-            checks = verify_engine(generation.llm, fp32_lm_head=cfg.fp32_lm_head)
+            checks = verify_engine(generation.llm, fp32_lm_head=cfg.fp32_lm_head,
+                                   prefix_cache_policy=engine_options(cfg)["prefix_cache_policy"])
     except Exception as exc:  # noqa: BLE001 - e.g. a server without /server_info: say so, do not guess
         logger.warning("rollout-parity: could not read TRL's vLLM %s configuration (%s): recipe unverified", mode, exc)
         return None

@@ -7,11 +7,14 @@ A wrapper of TRL's ``VLLMGeneration.sync_weights`` (one instance, through the sh
   samples from scrambled experts: mean |delta| 0.31 against 0.008 for a dense model); below vLLM 0.25, whose
   MoE loaders skip transformers 5's fused expert tensors without a word, those tensors go to vLLM under
   transformers' own checkpoint names (one per expert). TRL's server mode loads in the server's process
-  (vLLM's weight-transfer engine), where nothing of ours runs: a MoE model there gets a warning.
+  (vLLM's weight-transfer engine), where nothing of ours runs: a MoE model there gets a warning. With the
+  engine's prefix cache on (``moe_routing_replay``), the reset TRL does at the end of its sync is done again
+  after that step and a reset vLLM declines is an error (:func:`reset_prefix_cache`).
 * ``weight_sync_check_interval``: on every N-th sync (the first included) the engine continues a fixed probe
   at TRL's temperature, TRL's own log-prob pass scores the same tokens at the same weights, and
   ``core.sync_check.judge`` compares; above ``weight_sync_check_threshold`` it raises ``WeightSyncError``
-  naming the parameter groups the sync never sent. ``weight_sync/*`` goes to TRL's logs.
+  naming the parameter groups the sync never sent. ``weight_sync/*`` goes to TRL's logs. The probe's request
+  is ``core.sync_check.engine_probe_params`` (a top-k that an engine returning sampling masks accepts).
 docs/moe.md.
 """
 
@@ -26,9 +29,10 @@ import torch
 
 from rollout_parity.adapters._patching import Patches
 from rollout_parity.core.engine_moe import finish_moe_weight_load, record_moe_layers, vllm_reads_fused_experts
-from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, unsent_groups
+from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, \
+    engine_probe_params, unsent_groups
 
-__all__ = ["install_sync_hooks", "is_moe", "probe_engine", "probe_trainer", "checkpoint_tensors"]
+__all__ = ["install_sync_hooks", "is_moe", "reset_prefix_cache", "probe_engine", "probe_trainer", "checkpoint_tensors"]
 
 logger = logging.getLogger("rollout_parity.adapters.trl")
 
@@ -57,6 +61,19 @@ def install_sync_hooks(trainer: Any, state: Any) -> None:
     state.sync_schedule = SyncSchedule(state.config.weight_sync_check_interval)
     state.patches.wrap(generation, "sync_weights", functools.partial(_synced, trainer, state),
                        dotted="VLLMGeneration.sync_weights")
+
+
+def reset_prefix_cache(llm: Any) -> None:
+    """With the colocated engine's prefix cache on (``moe_routing_replay``: vLLM returns routes only with it),
+    nothing cached under the old weights may be served after a sync. TRL resets the cache at the end of its
+    sync and ignores the answer; this resets it again after the MoE post-load step and raises when vLLM
+    declines (it does while a request runs)."""
+    if not llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        return
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("rollout-parity: vLLM declined to reset the colocated engine's prefix cache after a "
+                           "weight sync, so prefixes cached under the old weights could be served (a request "
+                           "still running?)")
 
 
 @contextlib.contextmanager
@@ -125,6 +142,7 @@ def _synced(trainer: Any, state: Any, original: Any, *args: Any, **kwargs: Any) 
             logger.info("rollout-parity: after TRL's weight sync, vLLM's post-load step runs on %d fused-MoE layers "
                         "(TRL's raw load_weights skips it)", len(done))
             state.moe_logged = True
+        reset_prefix_cache(generation.llm)
     if checked:
         _check(trainer, state, generation, sent)
     return result
@@ -172,13 +190,13 @@ def probe_engine(generation: Any, probe: SyncProbe, temperature: float) -> tuple
     from accelerate.utils import broadcast_object_list
 
     prompts = [list(p) for p in probe.prompts]
-    extra = {"seed": probe.seed, "ignore_eos": True}
     if generation.mode == "colocate":
         from trl.generation.vllm_generation import SamplingParams  # TRL's own import of vLLM's
 
         if generation.enable_sleep_mode:
             generation.llm.wake_up(tags=["kv_cache"])  # as TRL's generate does; it sleeps again after generating
-        params = SamplingParams(temperature=temperature, max_tokens=probe.new_tokens, logprobs=0, **extra)
+        model_config = generation.llm.llm_engine.vllm_config.model_config  # top_k > 0 if it returns sampling masks
+        params = SamplingParams(**engine_probe_params(model_config, probe, temperature))
         outputs = generation.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
                                           use_tqdm=False)
         completions = [list(o.outputs[0].token_ids) for o in outputs]
@@ -187,7 +205,8 @@ def probe_engine(generation: Any, probe: SyncProbe, temperature: float) -> tuple
         box: list[Optional[tuple]] = [None]
         if generation.accelerator.is_main_process:
             out = generation.vllm_client.generate(prompts=prompts, n=1, temperature=temperature,
-                                                  max_tokens=probe.new_tokens, logprobs=0, generation_kwargs=extra)
+                                                  max_tokens=probe.new_tokens, logprobs=0,
+                                                  generation_kwargs={"seed": probe.seed, "ignore_eos": True})
             box[0] = (out["completion_ids"], [[row[0] for row in seq] for seq in out["logprobs"]])
         completions, values = broadcast_object_list(box, from_process=0)[0]
     width = max(len(c) for c in completions)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Mapping, Optional
 from trl import GRPOTrainer
 
 from rollout_parity.adapters.trl.config import ParityGRPOConfig, as_correction_config
-from rollout_parity.adapters.trl.engine import parity_vllm_engine
+from rollout_parity.adapters.trl.engine import engine_options, parity_vllm_engine
 from rollout_parity.adapters.trl.patches import apply, state_of
 from rollout_parity.adapters.trl.refusals import refuse
 from rollout_parity.core.config import CorrectionConfig
@@ -60,9 +60,7 @@ class ParityGRPOTrainer(GRPOTrainer):
                 logger.info("rollout-parity: cast_lm_head_to_fp32: False -> True (fp32_lm_head=True)")
                 args.cast_lm_head_to_fp32 = True
         colocate = args is not None and args.use_vllm and args.vllm_mode == "colocate"
-        engine = parity_vllm_engine(fp32_lm_head=cfg.fp32_lm_head, return_routed_experts=cfg.moe_routing_replay,
-                                    sampling_replay=cfg.rollout_sampling_replay) \
-            if colocate else contextlib.nullcontext({})
+        engine = parity_vllm_engine(**engine_options(cfg)) if colocate else contextlib.nullcontext({})
         with engine as built:
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.rollout_parity_engine_kwargs = built.get("kwargs")

@@ -17,10 +17,11 @@ The rooms, in the order a run meets them:
 * ``loss``    hand over: verl's own loss wrapped, and the metrics only it can see;
 * ``actor``   the fp32 head and the sampler-aware pi_old pass in verl's FSDP engine;
 * ``sync``    verl's weight sync: fused-MoE layers completed in vLLM, the optional sync check;
+* ``rollout`` verl's vLLM server: the recipe's ``hf_overrides`` merged into verl's own (fp8, QAT);
 * ``compat``  the tested verl range, the names the adapter needs, TRL side by side;
 * ``patches`` where each behaviour is attached, through ``adapters/_patching.py``: apply, revert.
 
-Math: ../shared/DESIGN.md and ``rollout_parity.core``. Everything else: docs/verl.md.
+Math: docs/flags.md and ``rollout_parity.core``. Everything else: docs/verl.md.
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ REQUIRED_VERL_NAMES = (
     "verl.workers.utils.padding.response_to_nested",
     "verl.workers.engine.fsdp.transformer_impl.FSDPEngine._build_module",
     "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.forward_step",
+    "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_inputs",
     "verl.models.transformers.monkey_patch.is_trl_available",
+    "verl.utils.ulysses.gather_outputs_and_unpad",
     "verl.utils.metric.Metric",
     "verl.utils.metric.AggregationType",
 )

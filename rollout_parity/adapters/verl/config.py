@@ -59,7 +59,7 @@ def correction_config_from_verl(config: Any) -> Optional[CorrectionConfig]:
 
 
 def check_no_double_correction(config: Any, cfg: CorrectionConfig) -> None:
-    """Raise when verl's own rollout correction would act next to ours (DESIGN.md, "Bad input")."""
+    """Raise when verl's own rollout correction would act next to ours (docs/flags.md, "Bad input")."""
     rc = select(config, "algorithm.rollout_correction")
     if rc is not None:
         own = {k: select(rc, k) for k in ("rollout_is", "rollout_rs") if select(rc, k) is not None}
@@ -106,17 +106,13 @@ def _model_config(config: Any) -> Any:
 
 
 def _refuse_outside_fsdp_head_pass(config: Any, what: str) -> None:
-    """Our trainer-side hooks live in verl's FSDP engine, in its unfused, unsplit head pass."""
+    """Our trainer-side hooks live in verl's FSDP engine, in its unfused head pass (Ulysses slices included)."""
     strategy = select(config, "actor_rollout_ref.actor.strategy")
     if strategy not in (None, "fsdp", "fsdp2"):
         raise ValueError(f"{what}: supported with the FSDP actor (strategy fsdp/fsdp2), got strategy={strategy!r}")
     if select(config, "actor_rollout_ref.model.use_fused_kernels", False):
         raise ValueError(f"{what}: actor_rollout_ref.model.use_fused_kernels=true computes logprobs inside a fused "
                          "kernel that never calls the lm_head module; set it to false")
-    sp = select(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1)
-    if int(sp) > 1:
-        raise ValueError(f"{what}: Ulysses sequence parallelism (ulysses_sequence_parallel_size={sp}) splits the "
-                         "hidden states across ranks; not supported")
 
 
 def _refuse(config: Any, cfg: CorrectionConfig, sampler: SamplerSettings, sampler_aware: bool) -> None:
@@ -327,7 +323,7 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         logger.info("rollout-parity: %s: %r -> %r", key, old, new)
     if cfg.off_policy_sequence_mask_delta is not None and cfg.old_logprob_source == "recompute":
         logger.warning("off_policy_sequence_mask_delta in verl decoupled mode: the loss does not see rollout "
-                       "logprobs, so the behaviour policy of the off-policy mask is pi_old (DESIGN.md fallback)")
+                       "logprobs, so the behaviour policy of the off-policy mask is pi_old (docs/verl.md)")
     return cfg
 
 

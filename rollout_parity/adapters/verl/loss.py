@@ -2,7 +2,7 @@
 
 Whatever ``actor.policy_loss.loss_mode`` names runs unchanged (:func:`with_rollout_parity` wraps
 what ``get_policy_loss_fn`` returns): it reads our weights (``rollout_is_weights``) and mask
-(``response_mask``) from the driver, its inputs made finite by DESIGN.md's bad-input rules, the
+(``response_mask``) from the driver, its inputs made finite by the bad-input rules (docs/flags.md), the
 mask narrowed by the off-policy sequence mask (which needs pi_theta). The policy-side metrics are
 left per micro-batch for verl's ``ppo_loss``, whose wrapper (:func:`ppo_loss_with_global_metrics`)
 turns them into exact global means with verl's own normalisers. docs/verl.md, "Your loss stays yours".
@@ -30,7 +30,7 @@ _loss_sums: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("rol
 
 
 def _sanitize_for_loss(old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor):
-    """DESIGN.md's bad-input rules on what the loss reads; returns ``(old, current, mask, nonfinite)``.
+    """The bad-input rules (docs/flags.md) on what the loss reads; returns ``(old, current, mask, nonfinite)``.
 
     pi_old: a NaN or +inf is neutral (pi_old := pi_theta, ratio 1, the token keeps its policy
     gradient); -inf is maximal mismatch (the log ratio at its +20 bound). pi_theta: a non-finite
@@ -53,7 +53,7 @@ def _loss_side_correction(cfg: CorrectionConfig, old: torch.Tensor, current: tor
                           advantages: torch.Tensor, bypass_in_loss: bool):
     """The part of the correction that needs pi_theta or A: the off-policy mask and C(r) (paper eq. 5).
 
-    The behaviour policy the loss can see is ``old`` (pi_old in decoupled mode, DESIGN.md's fallback;
+    The behaviour policy the loss can see is ``old`` (pi_old in decoupled mode, docs/verl.md;
     pi_rollout under bypass). Under verl's own bypass (no rejection) the diagnostics of pi_theta
     against pi_rollout are computed here too, per micro-batch.
     """
@@ -104,7 +104,7 @@ def with_rollout_parity(loss_fn: Callable, name: str = "?") -> Callable:
         metrics = dict(metrics)
         if not bool(mask.any()) and not bool(torch.isfinite(loss)):
             # All tokens rejected or masked: verl's token-mean without a global normaliser divides
-            # 0 by 0. DESIGN.md's neutral result instead: a zero loss that still backpropagates.
+            # 0 by 0. The neutral result of docs/flags.md instead: a zero loss that still backpropagates.
             loss = cur.sum() * 0.0
             metrics = {k: 0.0 if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         own_kl = metrics.get("actor/ppo_kl")  # verl's, over the mask we handed the loss, by the loss's own formula

@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rollout_parity.adapters._patching import ModulePatcher, PatchPoint
-from rollout_parity.adapters.verl.actor import forward_step_with_sampler_pass, fp32_head_after_build
+from rollout_parity.adapters.verl.actor import forward_step_with_sampler_pass, fp32_head_after_build, \
+    inputs_for_sampler_pass
 from rollout_parity.adapters.verl.compat import TESTED_VERL, trl_lacking_value_head
 from rollout_parity.adapters.verl.config import configure_verl
 from rollout_parity.adapters.verl.driver import batch_in_flight, rollout_correction_helper
 from rollout_parity.adapters.verl.loss import policy_loss_fn, ppo_loss_with_global_metrics
+from rollout_parity.adapters.verl.rollout import engine_kwargs_without_hf_overrides, quantization_with_hf_overrides
 from rollout_parity.adapters.verl.sync import checked_update_weights, moe_after_ipc_update
 
 __all__ = ["PATCH_POINTS", "patcher"]
@@ -50,6 +52,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine._build_module", fp32_head_after_build),
     PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.forward_step",
                forward_step_with_sampler_pass),
+    PatchPoint("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.prepare_model_inputs",
+               inputs_for_sampler_pass),
     PatchPoint("verl.models.transformers.monkey_patch", "is_trl_available", trl_lacking_value_head),
     # the weight sync (sync.py): the fused-MoE layers completed in the vLLM worker (a module only verl's vLLM
     # rollout imports), the optional check in the actor (required at start when the check is on: config.py)
@@ -57,6 +61,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                moe_after_ipc_update, optional=True),
     PatchPoint("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights", checked_update_weights,
                optional=True),
+    # verl's vLLM server (rollout.py): the engine kwargs' hf_overrides merged into verl's own (quantization). Only
+    # its process imports the module (and vLLM): not checked at start, a missing name fails loudly there.
+    PatchPoint("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer._preprocess_engine_kwargs",
+               engine_kwargs_without_hf_overrides, optional=True),
+    PatchPoint("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer._apply_quantization",
+               quantization_with_hf_overrides, optional=True),
     # verl 0.9's V1 trainer. verl 0.8's main_ppo_sync has the same method, but ``python -m`` runs
     # that module as __main__ and Ray pickles its PPOTrainer by value: no import to patch on, so
     # what needs this hook is refused there at start (config.py).

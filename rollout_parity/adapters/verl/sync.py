@@ -8,7 +8,7 @@
 * In the actor, after ``ActorRolloutRefWorker.update_weights`` (verl's colocated "naive" sync, every weight
   on the rollout server): every ``weight_sync_check_interval``-th sync (the first included) the server continues
   the probe through verl's own token-in-token-out ``generate`` at the rollout temperature, the actor's model
-  scores the same tokens, and ``core.sync_check.judge`` raises ``WeightSyncError`` above
+  scores the same tokens where verl computes (its parameters brought back from a ``param_offload``), and ``core.sync_check.judge`` raises ``WeightSyncError`` above
   ``weight_sync_check_threshold``. Each check logs one ``[rollout-parity] weight sync N`` line.
 Both pass straight through in a process without flags. docs/moe.md.
 """
@@ -27,10 +27,13 @@ from rollout_parity.core.engine_moe import finish_moe_weight_load, record_moe_la
 from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, \
     trainer_probe_logprobs
 
-__all__ = ["moe_after_ipc_update", "checked_update_weights", "refuse_sync_flags", "SYNC_CHECK_VERL_NAMES"]
+__all__ = ["moe_after_ipc_update", "checked_update_weights", "trainer_logprobs_where_verl_computes", "refuse_sync_flags",
+           "SYNC_CHECK_VERL_NAMES"]
 
-#: What the sync check needs of verl, checked at start when ``weight_sync_check_interval`` is set.
-SYNC_CHECK_VERL_NAMES = ("verl.workers.engine_workers.ActorRolloutRefWorker.update_weights",)
+#: What the sync check needs of verl (wraps or calls), checked at start when ``weight_sync_check_interval`` is set.
+SYNC_CHECK_VERL_NAMES = ("verl.workers.engine_workers.ActorRolloutRefWorker.update_weights",
+                         "verl.workers.engine.fsdp.transformer_impl.FSDPEngine.to", "verl.utils.device.get_device_id",
+                         "verl.utils.device.get_device_name")
 
 logger = logging.getLogger(__name__)
 _SYNC = "_rollout_parity_sync"  # the worker's (SyncSchedule, SyncProbe | None)
@@ -91,18 +94,38 @@ async def checked_update_weights(original: Callable, self: Any, *args: Any, **kw
     schedule, probe = self.__dict__.setdefault(_SYNC, [SyncSchedule(cfg.weight_sync_check_interval), None])
     if not schedule.next_is_checked():
         return result
-    module = self.actor.engine.module
     if probe is None:
-        probe = self.__dict__[_SYNC][1] = make_probe(_vocab_size(module))
+        probe = self.__dict__[_SYNC][1] = make_probe(_vocab_size(self.actor.engine.module))
     temperature = float(self.config.rollout.temperature)
     completions, engine = _broadcast(await _probe_server(self.rollout, probe, temperature))
-    with torch.no_grad():
-        trainer = trainer_probe_logprobs(module, probe.prompts, completions, temperature)
+    trainer = trainer_logprobs_where_verl_computes(self.actor.engine, probe.prompts, completions, temperature)
     verdict = judge(engine, trainer, cfg.weight_sync_check_threshold, sync_index=schedule.count)
     if not verdict.ok:
         raise WeightSyncError(verdict)
     print(f"[rollout-parity] {verdict.message()}", flush=True)  # verl logs its workers' stdout
     return result
+
+
+def trainer_logprobs_where_verl_computes(engine: Any, prompts: list, completions: list,
+                                         temperature: float) -> torch.Tensor:
+    """The actor's logprobs of the probe, computed where verl computes them.
+
+    With ``param_offload`` verl's ``update_weights`` ends by moving the actor's parameters to the CPU; they are
+    brought back for this forward exactly as verl's own eval mode brings them (``engine.to(<device>,
+    model=True)``, and to the CPU again after). The inputs go to verl's compute device, not to wherever the
+    first parameter lives: under FSDP2's ``offload_policy`` the sharded parameters always stay on the CPU.
+    """
+    from verl.utils.device import get_device_id, get_device_name
+
+    offloaded = bool(engine.is_param_offload_enabled)
+    if offloaded:
+        engine.to(get_device_name(), model=True, optimizer=False, grad=False)
+    try:
+        with torch.no_grad():
+            return trainer_probe_logprobs(engine.module, prompts, completions, temperature, device=get_device_id())
+    finally:
+        if offloaded:
+            engine.to("cpu", model=True, optimizer=False, grad=False)
 
 
 def _vocab_size(module: torch.nn.Module) -> int:

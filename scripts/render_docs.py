@@ -1,0 +1,249 @@
+"""Regenerate every doctor figure that README.md and docs/ quote, from the saved doctor runs in docs/data/.
+
+    python scripts/render_docs.py          # rewrite the marked parts of README.md and docs/*.md in place
+    python scripts/render_docs.py --check  # exit 1, naming each block, when a quoted figure differs
+
+A quoted figure sits between two marker comments; the renderer replaces what is between them:
+
+    <!-- doctor:SOURCE:VIEW -->...<!-- /doctor -->          a block (a fenced text block) or an inline value
+    <!-- doctor:SOURCE:PATH:FORMAT -->...<!-- /doctor -->   one value of the report, formatted
+
+SOURCE names a saved run (:data:`RUNS`: the JSON ``rollout-parity doctor --json`` wrote, and the command
+that wrote it). VIEW is one of :data:`VIEWS` (``table``: the ablation table as the doctor prints it;
+``recommendation``: what the doctor prints after it; ``flags``: its "flags to add" line; ``advice``: its part on rejection; ``lines.verl`` / ``lines.trl`` / ``lines.nemo_rl``:
+one framework's lines; ``command``: the command that made the run, as inline code; ``command.block``: as a code block), or PATH is a dotted path into the
+report (``rows.d.delta_abs_mean``: a row by its name; ``rec.``: the recommendation, recomputed with
+today's code from the saved measurements) with a format (:func:`_format`: a Python format spec such as ``.2e`` or ``.1%``, or ``text``, ``block`` (a text
+block), ``flags``, ``pct``; a leading backquote makes it inline code).
+``<!-- doctor:runs:thresholds -->`` is the rejection-threshold table of docs/thresholds.md, from the
+saved runs' threshold scans.
+
+The table and the recommendation are re-derived with today's ``format_table`` / ``recommend`` /
+``format_recommendation`` from the saved measurements, so a change of the doctor's wording or lines
+shows up here without re-running an engine. tests/test_docs_render.py fails when a quoted figure
+differs from what this renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The saved runs: name -> (JSON under the repository root, the command that wrote it, run from the root).
+RUNS: dict[str, tuple[str, str]] = {
+    "default": ("docs/data/doctor.json", "rollout-parity doctor --json docs/data/doctor.json"),
+    "8192": ("docs/data/doctor_8192.json",
+             "rollout-parity doctor --response_length 8192 --json docs/data/doctor_8192.json"),
+    "832": ("docs/data/doctor_832.json",
+            "rollout-parity doctor --rows d,s/sampler --max_tokens 832 --sentences 1 --steps 2 --num_prompts 4 "
+            "--json docs/data/doctor_832.json"),
+}
+
+MARKER = re.compile(r"<!-- doctor:(?P<spec>[^ ]+) -->(?P<body>.*?)<!-- /doctor -->", re.DOTALL)
+
+#: Thresholds of the rejection table (docs/thresholds.md): (option, threshold) in the saved scans.
+THRESHOLD_ROWS = (("seq_sum_k3", 1e-3), ("seq_sum_k3", 1e-2), ("seq_sum_k3", 5e-2), ("seq_sum_k3", 1e-1),
+                  ("seq_sum_k3", 2e-1), ("seq_sum_k3", 5e-1), ("seq_mean_k3", 3e-5), ("seq_mean_k3", 1e-4),
+                  ("seq_mean_k3", 2e-4), ("seq_mean_k3", 3e-4), ("seq_mean_k3", 5e-4))
+#: Its columns: (run, row).
+THRESHOLD_COLUMNS = (("default", "d"), ("default", "s/sampler"), ("832", "d"), ("832", "s/sampler"))
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    """README.md and every markdown page under docs/."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def load_run(name: str, root: Path = ROOT, cache: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A saved run, with its recommendation recomputed by today's code from its measurements."""
+    if cache is not None and name in cache:
+        return cache[name]
+    if name not in RUNS:
+        raise KeyError(f"unknown doctor run {name!r}: one of {sorted(RUNS)} (scripts/render_docs.py RUNS)")
+    from rollout_parity.doctor import recommend
+
+    report = json.loads((root / RUNS[name][0]).read_text())
+    report["recommendation"] = recommend(report)
+    if cache is not None:
+        cache[name] = report
+    return report
+
+
+def _fence(text: str) -> str:
+    return "\n```text\n" + text.rstrip("\n") + "\n```\n"
+
+
+def _table(report: Mapping[str, Any]) -> str:
+    from rollout_parity.doctor import format_table
+
+    lines = format_table(report).splitlines()
+    return "\n".join(lines[: 2 + len(report["rows"])])
+
+
+def _recommendation(report: Mapping[str, Any]) -> str:
+    from rollout_parity.doctor import format_recommendation
+
+    return format_recommendation(report).strip("\n")
+
+
+def _advice(report: Mapping[str, Any]) -> str:
+    """The recommendation's part on rejection: from "<preset> on these rollouts" to "flags to add"."""
+    lines = _recommendation(report).splitlines()
+    start = next(i for i, line in enumerate(lines) if " on these rollouts (" in line)
+    end = next(i for i, line in enumerate(lines) if line.startswith("flags to add:"))
+    return "\n".join(lines[start: end + 1])
+
+
+def _command(name: str) -> str:
+    return RUNS[name][1]
+
+
+VIEWS: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "table": lambda r: _fence(_table(r)),
+    "recommendation": lambda r: _fence(_recommendation(r)),
+    "flags": lambda r: _fence(next(line for line in _recommendation(r).splitlines()
+                                   if line.startswith("flags to add:"))),
+    "advice": lambda r: _fence(_advice(r)),
+    "lines.verl": lambda r: _fence(r["recommendation"]["lines"]["verl"]),
+    "lines.trl": lambda r: _fence(r["recommendation"]["lines"]["trl"]),
+    "lines.nemo_rl": lambda r: "\n```yaml\n" + r["recommendation"]["lines"]["nemo_rl"] + "\n```\n",
+}
+
+
+def lookup(report: Mapping[str, Any], path: str) -> Any:
+    """``rows.d.x``: field x of the row named d (row names may hold a '/'); ``rec.x``: the recommendation's."""
+    parts = path.split(".")
+    value: Any = report
+    i = 0
+    if parts[0] == "rec":
+        value, i = report["recommendation"], 1
+    while i < len(parts):
+        key = parts[i]
+        if key == "rows" and isinstance(value, Mapping) and "rows" in value:
+            rows = {r["row"]: r for r in value["rows"]}
+            name = parts[i + 1]
+            if name not in rows:
+                raise KeyError(f"no row {name!r} in this run (rows: {sorted(rows)})")
+            value, i = rows[name], i + 2
+            continue
+        if isinstance(value, (list, tuple)):
+            value = value[int(key)]
+        else:
+            if key not in value:
+                raise KeyError(f"{path}: no {key!r} (keys: {sorted(value)})")
+            value = value[key]
+        i += 1
+    return value
+
+
+def _format(value: Any, fmt: str) -> str:
+    """``value`` as ``fmt`` says: a format spec, ``text``, ``block``, ``list``, ``flags`` (``k=v, ...`` as the doctor
+    prints its flags), ``pct`` (a share with one decimal and a space before %); a leading backquote wraps
+    the result in one (inline code)."""
+    if fmt.startswith("`"):
+        return f"`{_format(value, fmt[1:])}`"
+    if fmt == "block":
+        return _fence(str(value))
+    if fmt == "flags":
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    if fmt == "pct":
+        return f"{100 * value:.1f} %"
+    if fmt == "g" and isinstance(value, float):
+        return f"{value:g}"
+    if fmt == "text":
+        return str(value)
+    if fmt == "list":
+        return ", ".join(map(str, value))
+    return format(value, fmt)
+
+
+def thresholds_table(root: Path = ROOT, cache: dict[str, Any] | None = None) -> str:
+    """Shares of sequences above each threshold, per parity row, at each saved run's measured length."""
+    heads, columns = [], []
+    for run, row in THRESHOLD_COLUMNS:
+        report = load_run(run, root, cache)
+        measured = report["lengths"]["measured"]
+        heads.append(f"{row}, {measured} tokens")
+        columns.append((report, row, str(measured)))
+    out = ["| threshold | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for option, tau in THRESHOLD_ROWS:
+        cells = []
+        for report, row, measured in columns:
+            hit = [s for s in report["lengths"]["scan"] if s["option"] == option and math_close(s["threshold"], tau)]
+            cells.append(f"{hit[0]['rows'][row][measured]:.1%}" if hit and row in hit[0]["rows"] else "—")
+        label = f"`{option}` {tau:g}" + (" (the preset)" if (option, tau) == ("seq_sum_k3", 1e-3) else "")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n" + "\n".join(out) + "\n"
+
+
+def math_close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+def render_spec(spec: str, root: Path = ROOT, cache: dict[str, Any] | None = None) -> str:
+    """What belongs between ``<!-- doctor:SPEC -->`` and ``<!-- /doctor -->``."""
+    source, _, rest = spec.partition(":")
+    if source == "runs" and rest == "thresholds":
+        return thresholds_table(root, cache)
+    if rest in ("command", "command.block"):
+        if source not in RUNS:
+            raise KeyError(f"unknown doctor run {source!r}")
+        return f"`{_command(source)}`" if rest == "command" else "\n```bash\n" + _command(source) + "\n```\n"
+    report = load_run(source, root, cache)
+    if rest in VIEWS:
+        return VIEWS[rest](report)
+    path, sep, fmt = rest.rpartition(":")
+    if not sep:
+        raise ValueError(f"doctor:{spec}: a view ({', '.join(VIEWS)}) or PATH:FORMAT")
+    return _format(lookup(report, path), fmt)
+
+
+def render_text(text: str, root: Path = ROOT, cache: dict[str, Any] | None = None) -> str:
+    """``text`` with every marked part re-rendered."""
+    cache = {} if cache is None else cache
+    return MARKER.sub(lambda m: f"<!-- doctor:{m['spec']} -->{render_spec(m['spec'], root, cache)}<!-- /doctor -->",
+                      text)
+
+
+def drifted(root: Path = ROOT) -> list[str]:
+    """One line per marked part whose text differs from what the saved runs render."""
+    cache: dict[str, Any] = {}
+    out = []
+    for path in doc_files(root):
+        text = path.read_text()
+        for m in MARKER.finditer(text):
+            want = render_spec(m["spec"], root, cache)
+            if m["body"] != want:
+                line = text.count("\n", 0, m.start()) + 1
+                out.append(f"{path.relative_to(root)}:{line}: doctor:{m['spec']} quotes {m['body'].strip()[:60]!r}, "
+                           f"the saved run gives {want.strip()[:60]!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report drifted figures (exit 1 if any)")
+    args = parser.parse_args(argv)
+    if args.check:
+        bad = drifted()
+        print("\n".join(bad) if bad else "every quoted doctor figure matches its saved run")
+        return 1 if bad else 0
+    cache: dict[str, Any] = {}
+    for path in doc_files():
+        text = path.read_text()
+        new = render_text(text, cache=cache)
+        if new != text:
+            path.write_text(new)
+            print(f"rendered {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

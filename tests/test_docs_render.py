@@ -1,0 +1,94 @@
+"""The doctor figures the README and docs quote are produced, not typed.
+
+Each one sits between ``<!-- doctor:... -->`` markers and is re-rendered here, in memory, from the saved
+doctor run it names (docs/data/*.json, written by the command in ``scripts/render_docs.py``'s ``RUNS``)
+with today's ``format_table`` / ``recommend`` / ``format_recommendation``; any difference fails. Doctor
+output quoted outside the markers fails too, and so does a saved run whose options are not the ones its
+command gives. Fix a failure with ``python scripts/render_docs.py`` (or re-run the doctor command and then
+that).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import shutil
+
+import pytest
+
+from tests.docs_text import ROOT, pages, rel
+
+spec = importlib.util.spec_from_file_location("render_docs", ROOT / "scripts" / "render_docs.py")
+render_docs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(render_docs)
+
+#: What only doctor output contains: its table header, its recommendation's headings.
+DOCTOR_OUTPUT = ("mean|d|", "what mattered on this model", "flags to add:", "on these rollouts (")
+
+
+def test_every_quoted_doctor_figure_matches_its_saved_run():
+    assert render_docs.drifted() == []
+
+
+def test_the_docs_quote_something_from_every_saved_run():
+    used = {m["spec"].split(":")[0] for page in pages() for m in render_docs.MARKER.finditer(page.read_text())}
+    assert set(render_docs.RUNS) <= used, f"saved runs nothing quotes: {set(render_docs.RUNS) - used}"
+
+
+def test_doctor_output_is_quoted_only_between_markers():
+    stray = []
+    for page in pages():
+        text = render_docs.MARKER.sub("", page.read_text())
+        for needle in DOCTOR_OUTPUT:
+            if needle in text:
+                line = text[: text.index(needle)].count("\n") + 1
+                stray.append(f"{rel(page)} (near line {line} of the unmarked text): {needle!r}")
+    assert not stray, "doctor output typed by hand (quote it through scripts/render_docs.py):\n" + "\n".join(stray)
+
+
+def test_a_drifted_figure_is_caught(tmp_path):
+    """Copy the pages and the saved runs, change one digit of a quoted figure: the check names it."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    readme = (ROOT / "README.md").read_text()
+    m = next(m for m in render_docs.MARKER.finditer(readme) if m["spec"] == "default:table")
+    body = m["body"]
+    digit = re.search(r"\d\.\d\de-0\d", body)
+    changed = body[: digit.start()] + ("9" if body[digit.start()] != "9" else "8") + body[digit.start() + 1:]
+    (tmp_path / "README.md").write_text(readme[: m.start("body")] + changed + readme[m.end("body"):])
+    drift = render_docs.drifted(tmp_path)
+    assert len(drift) == 1 and drift[0].startswith("README.md:") and "default:table" in drift[0]
+
+
+def _doctor_options(command: str) -> dict:
+    """The DoctorOptions fields a command line sets, through the CLI's own parser (either spelling)."""
+    from rollout_parity.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices["doctor"]
+    known = {s for a in sub._actions for s in a.option_strings}
+    words = []
+    for word in shlex.split(command)[1:]:  # drop the program
+        if word.startswith("--") and word not in known:
+            for alt in (word.replace("_", "-"), word.replace("-", "_")):
+                if alt in known:
+                    word = alt
+        words.append(word)
+    args = parser.parse_args(words)
+    return {"max_tokens": args.max_tokens, "steps": args.steps, "num_prompts": args.num_prompts,
+            "sentences": args.sentences, "samples": args.samples, "response_length": args.response_length,
+            "preset": args.preset, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+            "rows": tuple(r.strip() for r in args.rows.split(","))}
+
+
+@pytest.mark.parametrize("name", sorted(render_docs.RUNS))
+def test_each_saved_run_is_what_its_command_says(name):
+    path, command = render_docs.RUNS[name]
+    assert command.startswith("rollout-parity doctor ") and f"--json {path}" in command
+    report = json.loads((ROOT / path).read_text())
+    saved = report["options"]
+    for key, want in _doctor_options(command).items():
+        got = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
+        assert got == want, f"{path}: {key} is {got!r}, its command gives {want!r}"
+    assert report["lengths"]["tokens"], f"{path} holds no measured tokens (run the doctor of this checkout)"
