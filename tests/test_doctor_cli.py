@@ -234,3 +234,32 @@ def test_trainer_threads_take_the_idle_cores_even_after_vllm_disabled_set_num_th
         assert torch.get_num_threads() == 1
     finally:
         torch._C.set_num_threads(before)
+
+
+def test_a_prediction_past_the_measured_tokens_says_what_it_assumes_and_where_the_model_never_trained(tmp_path):
+    import inspect
+    import json
+
+    from rollout_parity.doctor.lengths import extrapolation
+    from rollout_parity.doctor.measure import _beyond_training_note, _trained_window
+    from rollout_parity.testing.tiny_model import _KEY_FILE, build_trained_tiny_model
+
+    assert extrapolation(32, None, 190) is None and extrapolation(832, 832, 190, 384) is None  # measured there
+    ex = extrapolation(32, 832, 190, 384)
+    assert ex["assumes"] == "tokens 33-832 of an answer mismatch like its first 32 (not measured)"
+    assert ex["last_position"] == 1022 and ex["beyond_training"]
+    assert not extrapolation(32, 150, 190, 384)["beyond_training"]  # position 340: inside the training window
+    assert not extrapolation(32, 832, 190)["beyond_training"]  # a user's model: its training window is unknown
+    # the built-in model's window, read from the key file it is cached with (its build's default seq_len)
+    default = inspect.signature(build_trained_tiny_model).parameters["seq_len"].default
+    (tmp_path / _KEY_FILE).write_text(json.dumps({"key": "k", "params": {"seq_len": default}}))
+    assert _trained_window(str(tmp_path)) == default == 384
+    assert _trained_window(str(tmp_path / "absent")) is None
+    note = _beyond_training_note(ex, 32, 832)
+    assert "trained on 384-token windows" in note and "position 1,022" in note and "likely too low" in note
+
+    report = _report(length=1024)
+    for r in report["rows"]:
+        r["rejected_seq_frac_at_length"] = 0.5
+    report["lengths"]["extrapolation"] = extrapolation(8, 1024, 290)
+    assert "assuming tokens 9-1024 of an answer mismatch like its first 8 (not measured)" in format_table(report)

@@ -39,13 +39,16 @@ from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.ratios import TokenStats, sanitized_log_ratio
 
 __all__ = ["BUDGET", "UNMEASURED", "DENSE_SHARE", "DRAWS", "GRID", "REFERENCE_LENGTHS", "resample", "statistic",
-           "dropped_share", "fit_rejection", "length_scan", "tokens_to_json", "tokens_from_report", "predict_dropped"]
+           "dropped_share", "fit_rejection", "length_scan", "tokens_to_json", "tokens_from_report", "predict_dropped",
+           "extrapolation"]
 
 #: The advice never drops more than this share of the parity rows' sequences (or tokens, token-level).
 BUDGET = 0.05
 #: At a length it did not measure the doctor fits to this share of the budget: there the prediction
-#: assumes later tokens mismatch like the first measured ones, and on the built-in model 832-token
-#: completions mismatched ~20% more per token than their first 32 (integration_tests/test_doctor_lengths.py).
+#: assumes later tokens mismatch like the first measured ones. They need not: the built-in model's 832-token
+#: completions had 2.1-2.7x the K3 per token of their first 32 (|delta| 1.1x; its positions past the 384 it
+#: was trained on), a model trained on 1,024-token windows 0.2-0.3x (integration_tests/test_doctor_lengths.py).
+#: A mean is therefore also fitted at the measured length, where its spread is widest.
 UNMEASURED = 0.5
 #: A sum's mismatch is dense when a healthy answer's median sum reaches this share of the fitted threshold.
 DENSE_SHARE = 0.1
@@ -57,6 +60,24 @@ REFERENCE_LENGTHS = (1024, 8192)
 GRID = tuple(sorted(float(f"{m}e{e}") for e in range(-7, 2) for m in (1, 2, 3, 5)))
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (pi_old, pi_rollout, mask), each (B, M)
+
+
+def extrapolation(measured: int, length: Optional[int], prompt_tokens: int,
+                  trained_window: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """What a prediction at ``length`` takes on trust: tokens ``measured + 1 .. length`` of an answer, never
+    measured, mismatching like its first ``measured``. ``None`` at a measured length.
+
+    ``trained_window``: the sequence length the model was trained on, where known (the built-in model's). A
+    predicted answer after a ``prompt_tokens`` prompt that reaches past it runs positions the model never
+    trained on, where the bf16 engine and trainer may part more per token than the measured tokens show
+    (the built-in model did, on every vLLM release measured: docs/thresholds.md): ``beyond_training``.
+    """
+    if length is None or length <= measured:
+        return None
+    last = prompt_tokens + length
+    return {"assumes": f"tokens {measured + 1}-{length} of an answer mismatch like its first {measured} (not measured)",
+            "last_position": last, "trained_window": trained_window,
+            "beyond_training": trained_window is not None and last > trained_window}
 
 
 def resample(tensors: Tensors, length: int, draws: int = DRAWS, seed: int = 0, group: int = 1) -> Tensors:

@@ -9,10 +9,12 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
 from rollout_parity.doctor.advice import recommend
-from rollout_parity.doctor.lengths import dropped_share, fit_rejection, length_scan, resample, tokens_to_json
+from rollout_parity.doctor.lengths import dropped_share, extrapolation, fit_rejection, length_scan, resample, \
+    tokens_to_json
 from rollout_parity.doctor.output import plot
 from rollout_parity.doctor.rows import (CONFIGS, PARITY_ROWS, ROW_SPECS, DoctorOptions, RowSpec, check_requirements,
                                         correction_config, engine_kwargs, sampler_setting, selected_rows, validate)
@@ -105,6 +107,10 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     rows, deltas, tensors = _rows_report(specs, cfg, scores, sampled)
     t0 = time.perf_counter()
     lengths = _lengths(cfg, rows, tensors, opts)
+    lengths["extrapolation"] = extrapolation(opts.max_tokens, opts.response_length, longest,
+                                             _trained_window(model_path) if built else None)
+    if (lengths["extrapolation"] or {}).get("beyond_training"):
+        notes.append(_beyond_training_note(lengths["extrapolation"], opts.max_tokens, opts.response_length))
     timings["lengths_s"] = time.perf_counter() - t0
 
     entropy_row = "d" if ("d", True) in scores else specs[0].name
@@ -266,6 +272,25 @@ def _lengths(cfg: Any, rows: list[dict[str, Any]], tensors: Mapping[str, tuple],
             "advice": advice, "scan": scan,
             # the parity rows' tokens: a saved run predicts other flags at other lengths (lengths.predict_dropped)
             "tokens": {name: tokens_to_json(t) for name, t in parity.items()}}
+
+
+def _trained_window(model_path: str) -> Optional[int]:
+    """The built-in model's training sequence length, from the key file it is cached with."""
+    from rollout_parity.testing.tiny_model import _KEY_FILE
+
+    try:
+        return int(json.loads((Path(model_path) / _KEY_FILE).read_text())["params"]["seq_len"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _beyond_training_note(ex: Mapping[str, Any], measured: int, length: int) -> str:
+    return (f"rej@{length} extrapolates past the built-in model's training: it was trained on "
+            f"{ex['trained_window']}-token windows and {length}-token answers reach position {ex['last_position']:,}; "
+            f"the prediction assumes {ex['assumes']}, and past its training this model's engine and trainer part more per "
+            f"token than in its first {measured} (docs/thresholds.md): the predicted shares are likely too low "
+            f"there (the advice fits to half its budget at a length it did not measure; --max-tokens {length} "
+            f"measures it)")
 
 
 def _score(trainer: Any, batch: Any, fp32: bool, sampling: Mapping[str, Any], opts: DoctorOptions) -> Any:

@@ -100,7 +100,8 @@ def format_table(report: dict[str, Any]) -> str:
                      "token added; in every column): " + ", ".join(outside))
     if length is not None:
         lines.append(f"rej seq: measured at {s['max_tokens']} tokens; rej@{length}: predicted for {length}-token "
-                     "answers from whole measured completions concatenated (block bootstrap)")
+                     "answers from whole measured completions concatenated (block bootstrap)"
+                     + (f", assuming {ex['assumes']}" if (ex := report["lengths"].get("extrapolation")) else ""))
     lines.append("tok/s: median over versions (interleaved); vs a: median of per-version ratios to row a")
     for note in report.get("notes", []):
         lines.append(f"note: {note}")

