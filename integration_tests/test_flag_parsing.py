@@ -230,6 +230,17 @@ def test_trls_help_says_how_each_shared_flag_relates_to_trls_own(capsys, tmp_pat
     assert ("vllm_importance_sampling_mode/_clip_max/_clip_min configure the same ratio (importance_sampling_ratio): "
             "with a correction flag set, setting them too is refused") in help_text
     assert "handed to TRL as its off_policy_mask_threshold: setting both is refused" in help_text
+    # ... and TRL's own options say it too, in their own help (the parser's, as --help prints it)
+    from trl import TrlParser
+
+    from rollout_parity.adapters.trl import ParityGRPOConfig
+
+    actions = TrlParser(ParityGRPOConfig)._option_string_actions  # noqa: SLF001 - argparse's own table
+    same_ratio = "The shared flags rollout_importance_sampling_mode/_threshold/_threshold_lower set this same ratio"
+    for option, note in [("vllm_importance_sampling_mode", same_ratio), ("vllm_importance_sampling_clip_min", same_ratio),
+                         ("cast_lm_head_to_fp32", "--fp32_lm_head true turns this on and wins")]:
+        assert f"[rollout-parity] {note}" in actions[f"--{option}"].help, option
+    assert "setting this too is refused. (default: sequence_mask)" in help_text  # printed at TRL's option
 
 
 @pytest.mark.parametrize("argv,meant", [

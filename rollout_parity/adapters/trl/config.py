@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Mapping, Optional
 
 from trl import GRPOConfig
@@ -95,6 +95,21 @@ def _shared_field(name: str) -> Any:
     return field(default=core.default, metadata=metadata)
 
 
+def _trl_field(name: str, note: str) -> Any:
+    """TRL's own field ``name`` as GRPOConfig declares it (default, metadata), with ``note`` added to its help:
+    ``--help`` then says, at TRL's option too, how it meets the shared flag that covers the same ground."""
+    own = GRPOConfig.__dataclass_fields__[name]
+    metadata = dict(own.metadata)
+    metadata["help"] = f"{metadata.get('help', '')} [rollout-parity] {note}".strip()
+    if own.default_factory is not MISSING:
+        return field(default_factory=own.default_factory, metadata=metadata)
+    return field(default=own.default, metadata=metadata)
+
+
+_TRL_IS_NOTE = ("The shared flags rollout_importance_sampling_mode/_threshold/_threshold_lower set this same ratio; "
+                "with one of them set, setting this too is refused.")
+
+
 @dataclass
 class ParityGRPOConfig(GRPOConfig):
     """``GRPOConfig`` plus the shared rollout-parity flags (docs/flags.md)."""
@@ -118,6 +133,12 @@ class ParityGRPOConfig(GRPOConfig):
     weight_sync_check_threshold: float = _shared_field("weight_sync_check_threshold")
     moe_routing_replay: bool = _shared_field("moe_routing_replay")
     rollout_sampling_replay: bool = _shared_field("rollout_sampling_replay")
+    # TRL's own options that the shared flags overlap: the same fields, their help saying which wins.
+    vllm_importance_sampling_mode: str = _trl_field("vllm_importance_sampling_mode", _TRL_IS_NOTE)
+    vllm_importance_sampling_clip_max: Optional[float] = _trl_field("vllm_importance_sampling_clip_max", _TRL_IS_NOTE)
+    vllm_importance_sampling_clip_min: Optional[float] = _trl_field("vllm_importance_sampling_clip_min", _TRL_IS_NOTE)
+    cast_lm_head_to_fp32: bool = _trl_field(
+        "cast_lm_head_to_fp32", "--fp32_lm_head true turns this on and wins over --cast_lm_head_to_fp32 false.")
 
     def __post_init__(self) -> None:
         for name in CorrectionConfig.field_names():
