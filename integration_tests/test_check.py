@@ -1,7 +1,7 @@
 """``rollout-parity check``: the command, its checks per framework, its skips and its self-test.
 
 * The whole command in a subprocess on this stack, as a user runs it: every framework runs
-  and passes (NeMo RL from the anchors' ``head`` tree through ``--nemo-rl-source``), with the
+  and passes (NeMo RL from the anchors' ``head`` tree through ``--nemo_rl_source``), with the
   table and the JSON report.
 * Each framework's checks in process (the functions the command runs), one result per check,
   and for each check that takes the self-test knob: ``ROLLOUT_PARITY_CHECK_CORRUPT=<name>``
@@ -226,7 +226,7 @@ def test_frameworks_not_installed_are_named_skips_and_the_core_still_runs():
     for key, extra in (("trl", "trl"), ("verl", "verl"), ("vllm", "vllm")):
         assert reports[key]["status"] == "skipped" and reports[key]["checks"] == []
         assert f"pip install 'rollout-parity[{extra}]'" in reports[key]["reason"]
-    assert reports["nemo_rl"]["status"] == "skipped" and "--nemo-rl-source" in reports["nemo_rl"]["reason"]
+    assert reports["nemo_rl"]["status"] == "skipped" and "--nemo_rl_source" in reports["nemo_rl"]["reason"]
 
     table = command("--no-progress", block=BLOCKED, timeout=300)
     assert table.returncode == 0

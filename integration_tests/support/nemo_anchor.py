@@ -4,7 +4,7 @@ NeMo RL does not install here (Python >= 3.13.13, git-sourced dependencies, CUDA
 its source trees at v0.7.0 and at a newer snapshot ("head") lie in ``../shared/anchors/nemo-rl``
 (see that folder's README). Importing them (a stub finder for the heavy modules NeMo RL imports
 but never calls on our paths, everything put back on exit) is the package's
-``rollout_parity.check.nemo_source``, which ``rollout-parity check --nemo-rl-source`` uses too;
+``rollout_parity.check.nemo_source``, which ``rollout-parity check --nemo_rl_source`` uses too;
 this module only knows where the anchors lie:
 
 * ``ANCHORS.activate(version)`` activates ``<anchors>/nemo-rl/<version>`` and yields a

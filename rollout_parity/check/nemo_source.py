@@ -1,7 +1,7 @@
 """NeMo RL's own source, imported from a tree on disk and put away after use.
 
 NeMo RL does not install everywhere (Python >= 3.13.13, git-sourced dependencies, CUDA torch),
-but its loss module imports on CPU from a source tree (``--nemo-rl-source``; the suite's
+but its loss module imports on CPU from a source tree (``--nemo_rl_source``; the suite's
 ``../shared/anchors/nemo-rl/<version>``) once the few heavy top-level modules it imports but
 never calls on the loss path (``pynvml``, ``wandb``, ``ray``, ...) are answered by stubs.
 Nothing of NeMo RL itself is stubbed or copied: its real modules run.

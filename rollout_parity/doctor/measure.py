@@ -289,7 +289,7 @@ def _beyond_training_note(ex: Mapping[str, Any], measured: int, length: int) -> 
             f"{ex['trained_window']}-token windows and {length}-token answers reach position {ex['last_position']:,}; "
             f"the prediction assumes {ex['assumes']}, and past its training this model's engine and trainer part more per "
             f"token than in its first {measured} (docs/thresholds.md): the predicted shares are likely too low "
-            f"there (the advice fits to half its budget at a length it did not measure; --max-tokens {length} "
+            f"there (the advice fits to half its budget at a length it did not measure; --max_tokens {length} "
             f"measures it)")
 
 
