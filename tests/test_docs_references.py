@@ -30,8 +30,6 @@ FOREIGN = {"examples/run_grpo.py": "NeMo RL", "examples/run_grpo*.py": "NeMo RL"
            "examples/data_preprocess/gsm8k.py": "verl", "docs/design-docs/dependency-management.md": "NeMo RL"}
 #: Outside the repository, named on purpose: where the suite finds NeMo RL's source trees.
 OUTSIDE = ("../shared/anchors",)
-#: Pages other helpers are writing in parallel; once a page exists it is checked like any other.
-PENDING: set[str] = set()
 PATH = re.compile(r"(?<![\w./~$-])((?:%s)/[\w./*<>{},-]*|(?:%s)\b)" % ("|".join(TOP), "|".join(
     re.escape(f) for f in TOP_FILES)))
 DOTTED = re.compile(r"(?<![\w./+-])((?:rollout_parity|integration_tests|tests|benchmarks)(?:\.\w+)+)(?![\w=-])")
@@ -53,8 +51,6 @@ def _texts():
 def _exists(path: str) -> bool:
     path = path.rstrip(".,:;)")
     path = path.split("::")[0]
-    if path in PENDING:
-        return True
     pattern = re.sub(r"<[^>]+>", "*", path)
     if "{" in pattern:
         head, alts, tail = re.match(r"(.*)\{([^}]*)\}(.*)", pattern).groups()
@@ -96,8 +92,6 @@ def test_every_markdown_link_and_anchor_resolves():
                     continue
                 file, _, anchor = target.partition("#")
                 dest = page if not file else (page.parent / file).resolve()
-                if file and rel(dest) in PENDING and not dest.exists():
-                    continue
                 if not dest.exists():
                     bad.append(f"{rel(page)}:{n}: {target} (no such file)")
                 elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
