@@ -141,20 +141,23 @@ def nemo_engine_kwargs(nemo, monkeypatch, policy: dict) -> dict:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("fp32_lm_head, policy", [(False, "off"), (True, "off"), (True, "reset"), (True, "salt")])
-def test_nemo_rls_engine_with_the_recipe_is_one_vllm_builds_on_a_gpu(nemo, monkeypatch, fp32_lm_head, policy):
+@pytest.mark.parametrize("policy", ["off", "reset", "salt"])
+def test_nemo_rls_engine_with_the_recipe_is_one_vllm_builds_on_a_gpu(nemo, monkeypatch, policy):
     """The exact ``vllm.LLM`` kwargs NeMo RL's worker assembles from ``nemo_rl_generation_config``, through
-    vLLM 0.31's own config validation on a GPU user's platform (``support/vllm_config_check.py``)."""
+    vLLM 0.31's own config validation on a GPU user's platform (``support/vllm_config_check.py``). The fp32
+    head is refused on NeMo RL before any config is built (its trainer's head stays in policy.precision)."""
     from integration_tests.support.vllm_config_check import assert_accepted, check_engine
 
-    policy_cfg = nemo_rl_generation_config(fp32_lm_head=fp32_lm_head, prefix_cache_policy=policy)["policy"]
+    with pytest.raises(ValueError, match="fp32_lm_head=True cannot be served on NeMo RL"):
+        nemo_rl_generation_config(fp32_lm_head=True, prefix_cache_policy=policy)
+    policy_cfg = nemo_rl_generation_config(prefix_cache_policy=policy)["policy"]
     kwargs = nemo_engine_kwargs(nemo, monkeypatch, policy_cfg)
     verdict = check_engine(kwargs)
     assert_accepted(verdict)
     resolved = verdict.resolved
     assert resolved["logprobs_mode"] == "processed_logprobs" and resolved["async_scheduling"] is False
     assert resolved["enable_prefix_caching"] is (policy != "off")
-    assert resolved["head_dtype"] == ("float32" if fp32_lm_head else resolved["dtype"])
+    assert resolved["head_dtype"] == resolved["dtype"]
 
 
 def test_recipe_through_nemo_rls_own_engine_assembly(nemo, monkeypatch):
