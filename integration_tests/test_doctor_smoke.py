@@ -91,9 +91,10 @@ def test_the_recommendation_prints_lines_for_every_framework(run):
     rec = report["recommendation"]
     cfg = CorrectionConfig.from_dict(rec["flags"])
     assert rec["lines"] == framework_lines(cfg)
-    for title in ("verl (add to", "TRL (ParityGRPOConfig", "NeMo RL (merge"):
+    for title in ("verl (add to", "TRL (the flags of a script parsing ParityGRPOConfig",
+                  "TRL, an unmodified GRPO script", "NeMo RL (merge"):
         assert title in out
-    assert rec["lines"]["trl"] in out
+    assert rec["lines"]["trl"] in out and rec["lines"]["launch"] in out
     assert all(line in out for line in rec["lines"]["verl"].splitlines())
     steps = {s["rows"]: s for s in rec["steps"]}
     assert steps["s/full-vocab -> s/sampler"]["mattered"] is True
