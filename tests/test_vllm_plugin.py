@@ -79,6 +79,9 @@ def test_the_plugin_never_stops_an_engine(monkeypatch):
     monkeypatch.setattr(plugin, "install_head_report", broken)
     monkeypatch.setattr(plugin, "apply_fp32_head_on_request", broken)
     monkeypatch.setattr(plugin, "needs_fp32_head_patch", lambda version: True)
+    # An earlier logging.config.dictConfig in this process (Hydra's, in verl's tests) disables existing loggers.
+    monkeypatch.setattr(plugin.logger, "disabled", False)
+    monkeypatch.setattr(plugin.logger, "level", logging.WARNING)
     plugin.logger.addHandler(handler)
     try:
         assert plugin.register() is None
