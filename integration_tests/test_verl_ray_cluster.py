@@ -40,7 +40,7 @@ from .support.ray_cluster import LoopbackCluster, loopback_ray_tmp, remove  # no
 from .support.verl_main_ppo import ADAPTER, CPU_OVERRIDES, LOCAL_RAY_OVERRIDES, SUPPORT, base_overrides, \
     machine_env, read_run, run_env  # noqa: E402
 
-pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
 #: The head: CPUs only. The second node: verl's bundle ({"CPU": 3, "GPU": 1}) and the vLLM server beside it.
 HEAD, WORKER = {"CPU": 16, "GPU": 0}, {"CPU": 6, "GPU": 1}

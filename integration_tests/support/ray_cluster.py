@@ -39,7 +39,8 @@ from .verl_main_ppo import end_session, session_members
 
 __all__ = ["LoopbackCluster", "JobRun", "loopback_ray_tmp", "remove"]
 
-RAY = str(Path(sys.executable).with_name("ray"))
+#: Ray's CLI through this interpreter: a checkout's own environment (scripts/run.sh) has no ``ray`` script beside it.
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 @dataclasses.dataclass
@@ -89,7 +90,7 @@ class LoopbackCluster:
         """Both nodes, waited for until the GCS lists two ALIVE nodes; returns them."""
         self.root.mkdir(parents=True, exist_ok=True)
         common = ["--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-        self._start("head", [RAY, "start", "--head", *common, f"--port={self.gcs_port}",
+        self._start("head", [*RAY, "start", "--head", *common, f"--port={self.gcs_port}",
                              "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                              f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
                              f"--temp-dir={self.env['RAY_TMPDIR']}", *self._resources(self.head_resources)])
@@ -116,7 +117,7 @@ class LoopbackCluster:
 
     def ray(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         """The ``ray`` CLI, talking to this cluster's dashboard."""
-        return subprocess.run([RAY, *args], cwd=self.root, env={**self.env, "RAY_ADDRESS": self.dashboard},
+        return subprocess.run([*RAY, *args], cwd=self.root, env={**self.env, "RAY_ADDRESS": self.dashboard},
                               capture_output=True, text=True, timeout=timeout)
 
     def nodes(self) -> list[dict]:
