@@ -96,7 +96,10 @@ def test_the_pickled_loss_in_a_workers_environment(tmp_path, version):
         (tmp_path / "loss.pkl").write_bytes(cloudpickle.dumps(loss_fn))
         batch = {k: v for k, v in data.items() if k != "next_token_logprobs"}
         torch.save({"data": batch, "cur": cur, "gvs": gvs, "gvt": gvt}, tmp_path / "batch.pt")
-    site = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    # This interpreter's site directories, and those its .pth files add (a checkout's own environment reaches the
+    # shared stack through one): the worker gets them as plain paths, so no .pth of theirs runs there.
+    site = list(dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                               *(p for p in sys.path if p.endswith("site-packages"))]))
     # NeMo RL's worker venv as NeMo RL builds it: no rollout-parity.
     broken = run_worker(tmp_path, version, site)
     assert broken == {"error": "No module named 'rollout_parity'"}
