@@ -1,7 +1,7 @@
 """The verl adapter against the real verl on CPU (issues 5, 10, 11).
 
 * the apply/revert/is_applied trio: identity, idempotence, the lookup sites, all or nothing,
-  a missing private name or a stranger's wrapper refused by name (STYLE.md rules 6-9, 12);
+  a missing private name or a stranger's wrapper refused by name;
 * a Hydra compose of verl's own ``ppo_trainer`` config with ``+rollout_parity.*`` overrides
   validates into the expected ``CorrectionConfig`` and rewrites only what it must (the user's
   ``loss_mode`` stays), and what cannot be expressed is refused by name;

@@ -1,4 +1,4 @@
-"""The shared patch layer (adapters/_patching.py) on stand-in modules: STYLE.md rule 12.
+"""The shared patch layer (adapters/_patching.py) on stand-in modules.
 
 Identity after revert (bit for bit, including attributes the owner did not hold itself),
 idempotence, refusal to stack on a foreign wrapper, caller modules that imported a name by

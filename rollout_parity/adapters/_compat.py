@@ -1,7 +1,7 @@
 """Framework version and private-API checks, run once when an adapter is applied.
 
 Users lag a framework release or two, and our adapters reach into names a framework does
-not promise to keep (STYLE.md rule 8). Before anything is patched, an adapter calls
+not promise to keep. Before anything is patched, an adapter calls
 :func:`check_framework`:
 
 * every dotted name it needs (``"trl.trainer.grpo_trainer.GRPOTrainer._compute_loss"``) is

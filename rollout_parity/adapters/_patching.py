@@ -1,4 +1,4 @@
-"""The one patch layer every adapter uses (../shared/STYLE.md, rules 5-9 and 12).
+"""The one patch layer every adapter uses: idempotent, reversible, marked, validated before any change.
 
 A patch replaces one attribute (a module's function, a class's method, one trainer's method,
 a module global) with a wrapper built by :func:`wrapper`: ``functools.wraps`` of the original

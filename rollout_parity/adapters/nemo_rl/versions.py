@@ -34,7 +34,7 @@ def _importable() -> bool:
 
 def nemo_loss_names() -> SimpleNamespace:
     """NeMo RL's ``ClippedPGLossFn``, ``ClippedPGLossConfig`` and ``MetricNormalizer`` (None
-    before NeMo RL main), after the version and private-name check (STYLE.md rule 8)."""
+    before NeMo RL main), after the version and private-name check (adapters/_compat.py)."""
     if not _importable():
         raise ImportError(
             "rollout_parity.adapters.nemo_rl needs NeMo RL >= 0.6 (nemo_rl.algorithms.loss): "

@@ -4,7 +4,7 @@ Instance patches only (the trainer's own ``__dict__``, dying with it), through t
 layer: TRL's ``_generate`` (checked), ``_generate_and_score_completions`` (the correction, once per
 generation batch), ``_get_per_token_logps_and_entropies`` (observed) and ``_compute_loss`` (a
 pass-through for diagnostics); TRL's own flags set where the channel needs them, each logged and
-restored by ``revert``. Validation first, then all or nothing (STYLE.md rules 6-9).
+restored by ``revert``. Validation first, then all or nothing.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
     changes = _changed_keys(before, OmegaConf.to_container(config, resolve=False))
     if repeat and not changes:
         return cfg  # configured before (verl calls more than one of our hooks with the same config)
-    # One visible line at start: verl logs a plugin that fails to import only at DEBUG (STYLE.md rule 11).
+    # One visible line at start: verl logs a plugin that fails to import only at DEBUG, where nobody sees it.
     loss_mode = select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
     print(f"[rollout-parity] verl configured: loss_mode={loss_mode} (unchanged), flags={carried[ENV_CONFIG]}"
           + (f", sampler-aware pi_old for top_k={sampler.top_k} top_p={sampler.top_p}" if sampler_aware else ""),
