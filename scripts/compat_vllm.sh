@@ -100,7 +100,8 @@ for version in "$@"; do
   tf="$("$py" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null)"
   has_verl="$("$py" -c "import importlib.util as u; print(int(u.find_spec('verl') is not None))" 2>/dev/null)"
   # The vLLM-facing modules, found by their markers; each test is then picked by marker.
-  expr="(vllm or trl) and not deepspeed and not nemo_gym"
+  # `-m` replaces pyproject's `-m 'not extended'`: the long real runs stay out here too.
+  expr="(vllm or trl) and not deepspeed and not nemo_gym and not extended"
   exclude='pytestmark.*(deepspeed|nemo_gym)'
   deselect=()
   if [ "$has_verl" != 1 ]; then
