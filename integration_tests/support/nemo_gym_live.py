@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from .processes import free_port, stop
+from rollout_parity.core.vllm_features import cpu_threads_bind
 
 REPO = Path(__file__).resolve().parents[2]
 GYM_SERVER = Path(__file__).with_name("nemo_gym_server.py")
@@ -107,7 +108,7 @@ def vllm_server(model: str, log_dir: Path) -> Iterator[str]:
            "--dtype", "float32", "--max-model-len", "1024", "--seed", "0",
            "--generation-config", "vllm", "--max-num-seqs", "4", *vllm_serve_flags()]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1")
+               VLLM_CPU_OMP_THREADS_BIND=cpu_threads_bind(), HF_HUB_OFFLINE="1")
     with _process(cmd, env, log_dir / "vllm.log", f"http://127.0.0.1:{port}/health", 300):
         yield f"http://127.0.0.1:{port}/v1"
 

@@ -13,6 +13,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from rollout_parity.core.vllm_features import cpu_threads_bind
+
 __all__ = ["free_port", "stop", "openai_server"]
 
 
@@ -49,7 +51,7 @@ def openai_server(model: str, args: Sequence[str], log: Path, timeout: float) ->
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--seed", "0", *args]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+               VLLM_CPU_OMP_THREADS_BIND=cpu_threads_bind(), OMP_NUM_THREADS="1")
     with open(log, "w") as stream:
         proc = subprocess.Popen(cmd, env=env, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

