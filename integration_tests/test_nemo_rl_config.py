@@ -30,7 +30,16 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def nemo(request):
     skip_unless_available()
     with ANCHORS.activate(request.param) as ns:
-        yield load(ns)
+        try:
+            loaded = load(ns)
+        except AssertionError as exc:
+            # NeMo RL refuses a newer transformers than its stack pins when its policy package is imported
+            # (nemo_rl/models/policy/__init__.py): such a stack (the vLLM matrix's 0.28 and 0.32 venvs) is not
+            # one NeMo RL runs on.
+            if "transformers" not in str(exc):
+                raise
+            pytest.skip(f"NeMo RL {request.param} refuses this stack at import: {exc}")
+        yield loaded
 
 
 def test_yaml_block_loads_through_omegaconf_and_nemo_config(nemo):

@@ -131,7 +131,10 @@ for version in "$@"; do
   summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')"
   # `rollout-parity check`: every check this stack can run (the live vLLM probe included).
   clog="$venv.check.log" crc=0 check="not run"
+  # NeMo RL's checks on NeMo RL's own stacks only (vLLM 0.20 and 0.25 with transformers below 5.9): NeMo RL
+  # refuses a newer transformers at import, as the other releases' venvs have.
   nemo="${ROLLOUT_PARITY_ANCHORS:-$here/../shared/anchors}/nemo-rl/head"; [ -d "$nemo" ] || nemo=""
+  case "$version" in 0.20.*|0.25.*) ;; *) nemo="" ;; esac
   if [ "${ROLLOUT_PARITY_COMPAT_CHECK:-1}" != 0 ]; then
     (cd "$here" && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
        "$venv/bin/rollout-parity" check ${nemo:+--nemo-rl-source "$nemo"} >"$clog" 2>&1)
