@@ -416,9 +416,8 @@ def test_refusals_name_the_option_and_leave_the_state(run):
                               old_logprob_source="bypass"), None),  # accepted: no truncating sampler
         ({"vllm_mode": "server"}, CORRECTION.replace(rollout_sampling_replay=True),
          "trl vllm-serve returns no sampling masks"),
-        # Below vLLM 0.28 replay itself is refused by name before what the trainer sets is read.
-        ({"tools": [print]}, CORRECTION.replace(rollout_sampling_replay=True), "tools or a rollout_func"
-         if has_replay else r"vLLM >= 0\.28\.0"),
+        ({"tools": [print]}, CORRECTION.replace(rollout_sampling_replay=True), "tools or a rollout_func"),
+        # Below vLLM 0.28 replay is refused by name (VllmKnobMissingError) before the sampler is read.
         ({}, CORRECTION.replace(rollout_sampling_replay=True), r"top_k=None: vLLM returns kept sets only"
          if has_replay else r"vLLM >= 0\.28\.0"),
     ]
