@@ -155,6 +155,9 @@ def machine_env(ray_tmp: str) -> dict:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(),
+        # verl's Ray runtime env sets VLLM_LOGGING_LEVEL=WARN unless the launching shell sets it
+        # (verl/trainer/constants_ppo.py); vLLM 0.24's engine core then never prints the config it built.
+        "VLLM_LOGGING_LEVEL": "INFO",
         "OMP_NUM_THREADS": "1",
     })
     return env
