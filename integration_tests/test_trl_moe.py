@@ -45,12 +45,16 @@ DELTA = "sampling/sampling_logp_difference/mean"
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
 # The bounds between the engine and the trainer go through bound() and their runs take TRL's seed (grpo_args) and
-# the probes' request seed from spread.seed(). Over seeds 0-2 (integration_tests/data/spread/test_trl_moe.json, from
-# ``wt-run python scripts/measure_spread.py integration_tests/test_trl_moe.py --seeds 0 1 2``) every bound held, but
-# five by less than 2x, not yet restated: a group one step old 0.058-0.15 (> 0.05, 1.15x), MoE/dense 1.76-2.33
-# (< 3, 1.29x), scrambled experts 0.262 (> 0.15, 1.74x), replayed/changed 93-304 (> 50, 1.86x), replay minus
-# without -1.3e-3 to 0 (<= 0); healthy probes MoE 0.013-0.014 and dense 0.008-0.010 (< 0.03, 2.1x and 3.1x),
-# the old blocks served 2.77 (> 0.05), after the sync 0 (< 1e-3).
+# the probes' request seed from spread.seed(). Over seeds 0-2 (integration_tests/data/spread/former/test_trl_moe.json, from
+# ``wt-run python scripts/measure_spread.py integration_tests/test_trl_moe.py --seeds 0 1 2``) every bound held;
+# five held by less than 2x at the limits then in force and are restated from those values (not re-measured at
+# the new limits, so the JSON stays under former/; every value in it meets the new limits too): a group one step old 0.058-0.15 (was > 0.05; now > 0.028, the
+# geometric middle of the healthy probes' worst 0.014 and its least, 2.1x from each), MoE/dense 1.76-2.33 (was
+# < 3; now < 5, 2.1x; an unfixed MoE sync's ~0.25 is ~25x the dense mean), scrambled experts 0.262 (was > 0.15; now > 0.1, 2.6x
+# and 7x over a healthy probe), replayed/changed 93-304 (was > 50; now > 30, 3.1x), replay minus without
+# -1.3e-3 to 0 (was <= 0, exact; now <= 5e-4 as in test_moe_routing_replay: replay costs nothing beyond the
+# spread). Healthy probes MoE 0.013-0.014 and dense 0.008-0.010 (< 0.03, 2.1x and 3.1x), the old blocks served
+# 2.77 (> 0.05), after the sync 0 (< 1e-3).
 FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_mean_k3"],
              rollout_rejection_threshold=["0.01"], weight_sync_check_interval=1)
 
@@ -99,14 +103,14 @@ def moe(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("moe"), build_tiny_moe_model())
 
 
-def test_moe_ends_its_steps_within_3x_of_the_dense_model(dense, moe):
+def test_moe_ends_its_steps_within_5x_of_the_dense_model(dense, moe):
     (dense_trainer, dense_error), (moe_trainer, moe_error) = dense, moe
     assert dense_error is None and moe_error is None
     dense_delta = _steps(dense_trainer, DELTA)
     moe_delta = _steps(moe_trainer, DELTA)
     assert len(dense_delta) == len(moe_delta) == 3
     assert bound("MoE's largest step mean |d| / the dense model's mean", max(moe_delta) / (sum(dense_delta) / 3), "<",
-                 3), (moe_delta, dense_delta)
+                 5), (moe_delta, dense_delta)
     assert max(_steps(moe_trainer, "rollout_correction/rejected_seq_frac")) == 0.0  # nothing dropped wholesale
     assert max(_steps(moe_trainer, "aux_loss")) > 0  # TRL's router loss is on, as TRL turns it on
 
@@ -139,7 +143,7 @@ def test_upstream_trl_sync_of_a_moe_fails_the_check(tmp_path, monkeypatch):
                           breaking=lambda t: packed.append(reads_packed_experts(sync._engine_model(t.vllm_generation))))
     if packed[0]:  # scrambled from the first sync (the initial weights) on
         assert error is not None and error.result.sync_index == 1
-        assert bound("scrambled experts: probe mean |d|", error.result.delta_abs_mean, ">", 0.15)  # healthy ~0.01
+        assert bound("scrambled experts: probe mean |d|", error.result.delta_abs_mean, ">", 0.1)  # healthy ~0.014
     elif not sync.vllm_reads_fused_experts():  # the experts stay at the initial weights: off from the second sync
         assert error is not None and error.result.sync_index == 2
         assert bound("experts at their old values: probe mean |d|", error.result.delta_abs_mean, ">", 0.05)
@@ -196,7 +200,7 @@ def test_a_group_left_at_its_old_values_is_named(tmp_path):
     first = trainer.__dict__["_rollout_parity"].sync_results[0]
     assert first.ok and not first.unsent
     assert error.result.delta_abs_mean < float("inf")
-    assert bound("one group one step old: probe mean |d|", error.result.delta_abs_mean, ">", 0.05)
+    assert bound("one group one step old: probe mean |d|", error.result.delta_abs_mean, ">", 0.028)
 
 
 def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
@@ -223,7 +227,7 @@ def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
     # a few tokens routed as the engine did: 26 of 2420 measured, each routing counted once (before issue 31 a
     # forward recomputed under gradient checkpointing counted twice: 33 of 3696)
     assert bound("routings replay changed", replay.changed, ">", 0)
-    assert bound("routings replayed / changed", replay.replayed / max(replay.changed, 1), ">", 50), (
+    assert bound("routings replayed / changed", replay.replayed / max(replay.changed, 1), ">", 30), (
         replay.changed, replay.replayed)
     from rollout_parity.adapters import trl as trl_adapter
     from rollout_parity.adapters._routing import find_routers
@@ -242,7 +246,7 @@ def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
     print(f"routing replay: {replay.changed} of {replay.replayed} routings changed; step 1 mean |delta| "
           f"{replayed:.4f} with replay, {without:.4f} without")
     # the same completions (same engine, seed and weights): replay is no further from the engine than without
-    assert bound("step 1 mean |d| with replay - without", replayed - without, "<=", 0), (replayed, without)
+    assert bound("step 1 mean |d| with replay - without", replayed - without, "<=", 5e-4), (replayed, without)
 
 
 @pytest.mark.parametrize("model, overrides, named", [
