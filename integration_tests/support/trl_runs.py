@@ -54,10 +54,16 @@ def subprocess_env(**extra: str) -> dict:
 
 
 def grpo_args(tmp_dir: str, config_class: Any = None, **overrides: Any) -> Any:
-    """A CPU GRPO config: tiny batches, two completions of at most 12 tokens per prompt."""
+    """A CPU GRPO config: tiny batches, two completions of at most 12 tokens per prompt.
+
+    Its ``seed`` (TRL's prompt order, hence the completions vLLM samples) is :func:`spread.seed`: the suite's 0, or
+    the seed ``scripts/measure_spread.py`` varies.
+    """
+    from integration_tests.support.spread import seed
+
     if config_class is None:
         from rollout_parity.adapters.trl import ParityGRPOConfig as config_class
-    base = dict(output_dir=str(tmp_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
+    base = dict(output_dir=str(tmp_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=seed(),
                 per_device_train_batch_size=4, num_generations=4, max_completion_length=12, max_steps=2,
                 logging_steps=1, learning_rate=1e-2, model_init_kwargs={"dtype": "float32"})
     base.update(overrides)
