@@ -1,4 +1,4 @@
-"""Regenerate every doctor figure that README.md and docs/ quote, from the saved doctor runs in docs/data/.
+"""Regenerate every doctor figure and GPU log line that README.md and docs/ quote, from the runs in docs/data/.
 
     python scripts/render_docs.py          # rewrite the marked parts of README.md and docs/*.md in place
     python scripts/render_docs.py --check  # exit 1, naming each block, when a quoted figure differs
@@ -17,6 +17,14 @@ today's code from the saved measurements) with a format (:func:`_format`: a Pyth
 block), ``flags``, ``pct``; a leading backquote makes it inline code).
 ``<!-- doctor:runs:thresholds -->`` is the rejection-threshold table of docs/thresholds.md, from the
 saved runs' threshold scans.
+
+Saved logs of runs on other machines (a GPU's: :data:`LOGS`, under docs/data/) are quoted the same way:
+
+    <!-- log:FILE:PREFIX -->...<!-- /log -->              every line of FILE that starts with PREFIX, a text block
+    <!-- log:FILE:lines=A-B -->...<!-- /log -->           lines A to B (from 1), a text block
+    <!-- log:FILE:line=N -->...<!-- /log -->              line N, as inline code (a table cell)
+    <!-- log:FILE:value=PREFIX:KEY -->...<!-- /log -->    KEY's value in the first ``PREFIX ... KEY=value ...`` line
+    <!-- log:FILE:command -->...<!-- /log -->            the command that wrote FILE, as inline code
 
 The table and the recommendation are re-derived with today's ``format_table`` / ``recommend`` /
 ``format_recommendation`` from the saved measurements, so a change of the doctor's wording or lines
@@ -46,6 +54,17 @@ RUNS: dict[str, tuple[str, str]] = {
 }
 
 MARKER = re.compile(r"<!-- doctor:(?P<spec>[^ ]+) -->(?P<body>.*?)<!-- /doctor -->", re.DOTALL)
+
+#: Saved logs of runs made elsewhere (docs/data/FILE) -> the command that wrote them, run from the root there.
+LOGS: dict[str, str] = {
+    "gpu/gpu_check_h200.log": "python scripts/gpu_check.py --bench-timeout 120",
+    "gpu/correction_overhead_h200.log": "python benchmarks/correction_overhead.py --device cuda; "
+                                        "python benchmarks/correction_overhead.py --device cuda --batch 256 "
+                                        "--tokens 8192 --repeats 20",
+    "gpu/head_pass_profile_h200.log": "python scripts/gpu_head_pass_profile.py",
+}
+
+LOG_MARKER = re.compile(r"<!-- log:(?P<file>[^: ]+):(?P<select>[^>]*?) -->(?P<body>.*?)<!-- /log -->", re.DOTALL)
 
 #: Thresholds of the rejection table (docs/thresholds.md): (option, threshold) in the saved scans.
 THRESHOLD_ROWS = (("seq_sum_k3", 1e-3), ("seq_sum_k3", 1e-2), ("seq_sum_k3", 5e-2), ("seq_sum_k3", 1e-1),
@@ -204,11 +223,39 @@ def render_spec(spec: str, root: Path = ROOT, cache: dict[str, Any] | None = Non
     return _format(lookup(report, path), fmt)
 
 
+def render_log(file: str, select: str, root: Path = ROOT) -> str:
+    """What belongs between ``<!-- log:FILE:SELECT -->`` and ``<!-- /log -->`` (see the module docstring)."""
+    if file not in LOGS:
+        raise KeyError(f"log:{file}: not a saved log (LOGS: {sorted(LOGS)})")
+    if select == "command":
+        return f"`{LOGS[file]}`"
+    lines = (root / "docs" / "data" / file).read_text().splitlines()
+    if select.startswith("lines="):
+        first, _, last = select[len("lines="):].partition("-")
+        return _fence("\n".join(lines[int(first) - 1: int(last)]))
+    if select.startswith("line="):
+        return f"`{lines[int(select[len('line='):]) - 1].strip()}`"
+    if select.startswith("value="):
+        prefix, _, key = select[len("value="):].rpartition(":")
+        for line in lines:
+            if line.startswith(prefix):
+                hit = re.search(rf"(?:^|\s){re.escape(key)}=(\S+)", line)
+                if hit:
+                    return hit[1]
+        raise KeyError(f"log:{file}: no line starting {prefix!r} with {key}=")
+    picked = [line for line in lines if line.startswith(select)]
+    if not picked:
+        raise KeyError(f"log:{file}: no line starts with {select!r}")
+    return _fence("\n".join(picked))
+
+
 def render_text(text: str, root: Path = ROOT, cache: dict[str, Any] | None = None) -> str:
     """``text`` with every marked part re-rendered."""
     cache = {} if cache is None else cache
-    return MARKER.sub(lambda m: f"<!-- doctor:{m['spec']} -->{render_spec(m['spec'], root, cache)}<!-- /doctor -->",
+    text = MARKER.sub(lambda m: f"<!-- doctor:{m['spec']} -->{render_spec(m['spec'], root, cache)}<!-- /doctor -->",
                       text)
+    return LOG_MARKER.sub(lambda m: f"<!-- log:{m['file']}:{m['select']} -->{render_log(m['file'], m['select'], root)}"
+                                    "<!-- /log -->", text)
 
 
 def drifted(root: Path = ROOT) -> list[str]:
@@ -223,6 +270,12 @@ def drifted(root: Path = ROOT) -> list[str]:
                 line = text.count("\n", 0, m.start()) + 1
                 out.append(f"{path.relative_to(root)}:{line}: doctor:{m['spec']} quotes {m['body'].strip()[:60]!r}, "
                            f"the saved run gives {want.strip()[:60]!r}")
+        for m in LOG_MARKER.finditer(text):
+            want = render_log(m["file"], m["select"], root)
+            if m["body"] != want:
+                line = text.count("\n", 0, m.start()) + 1
+                out.append(f"{path.relative_to(root)}:{line}: log:{m['file']}:{m['select']} quotes "
+                           f"{m['body'].strip()[:60]!r}, the saved log gives {want.strip()[:60]!r}")
     return out
 
 

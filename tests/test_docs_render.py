@@ -92,3 +92,49 @@ def test_each_saved_run_is_what_its_command_says(name):
         got = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
         assert got == want, f"{path}: {key} is {got!r}, its command gives {want!r}"
     assert report["lengths"]["tokens"], f"{path} holds no measured tokens (run the doctor of this checkout)"
+
+
+# --- saved logs of runs on a GPU (docs/data/gpu/) ---------------------------------------------------------------
+
+def test_every_saved_log_is_quoted_and_every_log_under_docs_data_gpu_is_listed():
+    quoted = {m["file"] for page in pages() for m in render_docs.LOG_MARKER.finditer(page.read_text())}
+    assert set(render_docs.LOGS) <= quoted, f"saved logs nothing quotes: {set(render_docs.LOGS) - quoted}"
+    on_disk = {str(p.relative_to(ROOT / "docs" / "data")) for p in (ROOT / "docs" / "data" / "gpu").glob("*.log")}
+    assert on_disk == set(render_docs.LOGS), "a log under docs/data/gpu/ without its command in LOGS, or the reverse"
+
+
+def test_a_log_selection_renders_what_the_log_holds():
+    log = (ROOT / "docs" / "data" / "gpu" / "gpu_check_h200.log").read_text().splitlines()
+    bench = next(line for line in log if line.startswith("GPU_CHECK bench"))
+    want = re.search(r" plain_vs_matmul=(\S+)", bench)[1]
+    assert render_docs.render_log("gpu/gpu_check_h200.log", "value=GPU_CHECK bench:plain_vs_matmul") == want
+    assert render_docs.render_log("gpu/gpu_check_h200.log", "lines=1-1") == f"\n```text\n{log[0]}\n```\n"
+    assert render_docs.render_log("gpu/gpu_check_h200.log", "line=1") == f"`{log[0]}`"
+    assert render_docs.render_log("gpu/gpu_check_h200.log", "GPU_CHECK done").count("\n") == 4  # one line, fenced
+    with pytest.raises(KeyError, match="not a saved log"):
+        render_docs.render_log("gpu/typo.log", "GPU_CHECK")
+
+
+def test_a_drifted_log_figure_is_caught(tmp_path):
+    """Copy the pages and the logs, change one digit of a quoted log line: the check names it."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    (tmp_path / "README.md").write_text((ROOT / "README.md").read_text())
+    page = tmp_path / "docs" / "fp32_and_sampler.md"
+    text = page.read_text()
+    m = next(m for m in render_docs.LOG_MARKER.finditer(text) if m["select"] == "GPU_CHECK")
+    digit = re.search(r"\d\.\d\de-0\d", m["body"])
+    body = m["body"][: digit.start()] + ("9" if m["body"][digit.start()] != "9" else "8") + m["body"][digit.start() + 1:]
+    page.write_text(text[: m.start("body")] + body + text[m.end("body"):])
+    drift = render_docs.drifted(tmp_path)
+    assert len(drift) == 1 and drift[0].startswith("docs/fp32_and_sampler.md:") and "log:gpu/gpu_check_h200.log" in drift[0]
+
+
+def test_the_docs_call_the_gpu_speed_goal_met_only_where_the_log_meets_it():
+    """The goal: plain and sampler-aware passes within 1.3x the bf16 GEMM with fp32 output, on the GPU."""
+    log = (ROOT / "docs" / "data" / "gpu" / "gpu_check_h200.log").read_text()
+    bench = next(line for line in log.splitlines() if line.startswith("GPU_CHECK bench"))
+    ratios = {k: float(re.search(rf" {k}=(\S+)", bench)[1]) for k in ("plain_vs_matmul", "sampler_vs_matmul")}
+    met = max(ratios.values()) <= 1.3
+    page = (ROOT / "docs" / "fp32_and_sampler.md").read_text()
+    said = page[page.index("**On an NVIDIA H200**"):]
+    assert ("the goal of 1.3x the GEMM is **not met**" in said) == (not met), ratios
