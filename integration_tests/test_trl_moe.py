@@ -5,7 +5,7 @@ Real ``ParityGRPOTrainer`` runs (float32 trainer; TRL's engine loads the float32
 plus ``seq_mean_k3`` rejection and the sync check on every sync. Checked:
 
 * the tiny Qwen3-MoE (4 experts, 2 per token, peaked untied head) ends its steps at a mean |delta| within
-  3x of the dense tiny model's, no sequence is rejected, and the sync check stays quiet on every sync;
+  5x of the dense tiny model's, no sequence is rejected, and the sync check stays quiet on every sync;
 * with the adapter's MoE steps disabled (TRL's sync as it is upstream) the first checked sync is a
   ``WeightSyncError`` (mean |delta| ~0.26 on 0.31 where healthy syncs show ~0.01) that says every parameter
   was sent, on every release where upstream TRL is wrong;
@@ -45,16 +45,15 @@ DELTA = "sampling/sampling_logp_difference/mean"
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
 # The bounds between the engine and the trainer go through bound() and their runs take TRL's seed (grpo_args) and the
-# probes' request seed from spread.seed(). Over seeds 0-2 (integration_tests/data/spread/former/test_trl_moe.json,
-# from ``wt-run python scripts/measure_spread.py integration_tests/test_trl_moe.py --seeds 0 1 2``) every bound held;
-# five held by less than 2x at the limits then in force and are restated from those values (not re-measured at the new
-# limits, so the JSON stays under former/; every value in it meets the new limits too): a group one step old
-# 0.058-0.15 (was > 0.05; now > 0.028, the geometric middle of the healthy probes' worst 0.014 and its least, 2.1x
-# from each), MoE/dense 1.76-2.33 (was < 3; now < 5, 2.1x; an unfixed MoE sync's ~0.25 is ~25x the dense mean),
-# scrambled experts 0.262 (was > 0.15; now > 0.1, 2.6x and 7x over a healthy probe), replayed/changed 93-304 (was >
-# 50; now > 30, 3.1x), replay minus without -1.3e-3 to 0 (was <= 0, exact; now <= 5e-4 as in test_moe_routing_replay:
-# replay costs nothing beyond the spread). Healthy probes MoE 0.013-0.014 and dense 0.008-0.010 (< 0.03, 2.1x and
-# 3.1x), the old blocks served 2.77 (> 0.05), after the sync 0 (< 1e-3).
+# probes' request seed from spread.seed(). Over seeds 0-2 (integration_tests/data/spread/test_trl_moe.json, from
+# ``wt-run python scripts/measure_spread.py integration_tests/test_trl_moe.py --seeds 0 1 2``) every bound held by 2x
+# or more: a group one step old 0.058-0.15 (> 0.028, the geometric middle of the healthy probes' worst 0.014 and the
+# stale group's least, 2.1x from each), MoE/dense 1.76-2.33 (< 5, 2.1x; an unfixed MoE sync's ~0.25 is ~25x the dense
+# mean), scrambled experts 0.262 (> 0.1, 2.6x and 7x over a healthy probe), replayed/changed 93-304 (> 30, 3.1x),
+# replay minus without -1.3e-3 to 0 (<= 5e-4 as in test_moe_routing_replay: replay costs nothing beyond the spread),
+# healthy probes MoE 0.013-0.014 and dense 0.008-0.010 (< 0.03, 2.1x and 3.1x), the old blocks served 2.77 (> 0.05),
+# after the sync 0 (< 1e-3). Those five limits were restated from an earlier measurement at looser or tighter limits
+# that held by less than 2x (integration_tests/data/spread/former/test_trl_moe.json).
 FLAGS = dict(rollout_importance_sampling_mode="token_truncate", rollout_rejection=["seq_mean_k3"],
              rollout_rejection_threshold=["0.01"], weight_sync_check_interval=1)
 

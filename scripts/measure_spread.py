@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("targets", nargs="+", help="pytest files or node ids")
     p.add_argument("-k", dest="keyword", help="pytest -k expression")
+    p.add_argument("-m", dest="markers", help="pytest -m expression (e.g. extended: the suite's default run leaves "
+                   "those tests out)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="values of ROLLOUT_PARITY_SEED (default: 0)")
     p.add_argument("--threads", type=int, nargs="+", default=[1], help="values of OMP_NUM_THREADS (default: 1)")
     p.add_argument("--reverse", action="store_true", help="also run the tests in reverse collection order")
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
-    extra = ["-k", args.keyword] if args.keyword else []
+    extra = (["-k", args.keyword] if args.keyword else []) + (["-m", args.markers] if args.markers else [])
     base = dict(os.environ)
     orders = ["as collected"] + (["reversed"] if args.reverse else [])
     command = "wt-run python scripts/measure_spread.py " + " ".join(argv if argv is not None else sys.argv[1:])

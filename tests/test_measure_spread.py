@@ -79,3 +79,21 @@ def test_the_report_and_the_saved_summary_take_an_infinite_gap(capsys):
     assert "margin 25.00x" in capsys.readouterr().out  # the worst is the finite 0.5
     saved = measure_spread.summary(runs, "wt-run python scripts/measure_spread.py t")
     assert saved["bounds"][0]["values"] == {"seed 0": float("inf"), "seed 1": 0.5}
+
+
+@pytest.mark.parametrize("argv, extra", [
+    (["t.py"], []),
+    (["t.py", "-k", "prefix"], ["-k", "prefix"]),
+    (["t.py", "-m", "extended"], ["-m", "extended"]),  # the suite's addopts leave extended tests out otherwise
+    (["t.py", "-k", "prefix", "-m", "extended"], ["-k", "prefix", "-m", "extended"]),
+])
+def test_the_keyword_and_marker_options_reach_pytest(monkeypatch, argv, extra):
+    seen = []
+
+    def fake_run(targets, extra_args, env, log, label, verbose):
+        seen.append(list(extra_args))
+        return {"label": label, "returncode": 0, "records": [], "seconds": 0.0}
+
+    monkeypatch.setattr(measure_spread, "run_condition", fake_run)
+    measure_spread.main(argv)
+    assert seen == [extra]
