@@ -58,6 +58,8 @@ MARKER = re.compile(r"<!-- doctor:(?P<spec>[^ ]+) -->(?P<body>.*?)<!-- /doctor -
 #: Saved logs of runs made elsewhere (docs/data/FILE) -> the command that wrote them, run from the root there.
 LOGS: dict[str, str] = {
     "gpu/gpu_check_h200.log": "python scripts/gpu_check.py --bench-timeout 120",
+    # the same at a5c1057, before the forward's row kernel (torch's division and log-softmax over each chunk)
+    "gpu/gpu_check_h200_torch_rows.log": "python scripts/gpu_check.py --bench-timeout 120",
     "gpu/correction_overhead_h200.log": "python benchmarks/correction_overhead.py --device cuda; "
                                         "python benchmarks/correction_overhead.py --device cuda --batch 256 "
                                         "--tokens 8192 --repeats 20",

@@ -1,11 +1,12 @@
-"""The core imports torch only: no training or inference framework, not even transformers."""
+"""The core imports torch only: no training or inference framework, not even transformers (nor Triton: its CUDA
+kernels load lazily, on CUDA only)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-FRAMEWORKS = ("vllm", "trl", "verl", "nemo_rl", "nemo_gym", "deepspeed", "transformers", "omegaconf", "hydra")
+FRAMEWORKS = ("vllm", "trl", "verl", "nemo_rl", "nemo_gym", "deepspeed", "transformers", "omegaconf", "hydra", "triton")
 
 
 def test_core_imports_no_framework():

@@ -318,3 +318,17 @@ def test_the_fp32_head_patch_is_exact_and_never_copies_the_head(monkeypatch, res
     with torch.no_grad():
         peak = peak_alloc_bytes(lambda: head(x3))
     assert peak <= v * 4 + (v // 8) * h * 4 + h * 4 + v * 4 < v * h * 4 // 4, peak  # logits, an eighth of W, x, b
+
+
+def test_logits_into_leaves_the_division_to_a_caller_that_divides_as_it_reads():
+    """``divide=False`` (the CUDA row kernel's input): h W^T + b exactly as before the division, which then gives
+    ``divide=True``'s logits bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    h, w, b = torch.randn(5, 16, generator=g), torch.randn(40, 16, generator=g), torch.randn(40, generator=g)
+    head = HeadProjector(w, b, 0.7, torch.float32, torch.float32, 5)
+    with exact_fp32_matmul():
+        divided = head.logits_into(torch.empty(5, 40), h)
+        raw = head.logits_into(torch.empty(5, 40), h, divide=False)
+    assert torch.equal(raw, torch.addmm(b, h, w.t()))
+    assert torch.equal(raw / torch.full((5, 1), 0.7), divided)
+    assert not torch.equal(raw, divided)

@@ -30,7 +30,10 @@ output).  Without ``chunk_size`` the chunk is the largest whose working set fits
 ``memory_budget`` (:func:`~rollout_parity.core.head_matmul.chunk_rows`).  The (log-)softmax of
 a chunk runs in place with torch's fused row kernel (one pass over memory instead of
 max/sub/exp/sum); that in-place use is probed once per dtype and replaced by a sub-blocked copy
-if a torch build ever stops supporting it.  float64 stays float64 (gradcheck).
+if a torch build ever stops supporting it.  On CUDA the forward reads each chunk of fp32 logits
+once instead (:mod:`rollout_parity.kernels.row_logsumexp`: the division by T, the online
+log-sum-exp, the token's logit and the entropy in one Triton pass); the backward keeps the torch
+passes.  float64 stays float64 (gradcheck).
 
 Under DeepSpeed ZeRO-3 pass the gathered weight (``deepspeed.zero.GatheredParameters``).
 """
@@ -77,6 +80,18 @@ def _softmax_rows_(z: torch.Tensor, log: bool) -> torch.Tensor:
     return z
 
 
+def _row_kernel(device: torch.device, cdtype: torch.dtype):
+    """The forward's one-pass row kernel (:mod:`rollout_parity.kernels.row_logsumexp`) for fp32 logits on CUDA
+    where Triton imports; None elsewhere (CPU, float64, no Triton): the torch passes then."""
+    if device.type != "cuda" or cdtype != torch.float32:
+        return None
+    try:
+        from ..kernels.row_logsumexp import row_logprob_entropy
+    except ImportError:
+        return None
+    return row_logprob_entropy
+
+
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     dtype = torch.float32
     for t in tensors:
@@ -96,10 +111,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp = torch.empty(n, dtype=cdtype, device=dev)
             ent = torch.empty(n, dtype=cdtype, device=dev) if want_entropy else None
             buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
+            row_pass = _row_kernel(dev, cdtype)
             sub = max(1, -(-rows // 8))
-            scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if want_entropy else None
+            scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if want_entropy and row_pass is None else None
             for s in range(0, n, rows):
                 e = min(s + rows, n)
+                if row_pass is not None:  # one read of the chunk: divide, reduce, gather (and the entropy)
+                    row_pass(head.logits_into(buf[: e - s], hidden[s:e], divide=False), token_ids[s:e], temperature,
+                             logp[s:e], ent[s:e] if want_entropy else None)
+                    continue
                 z = _softmax_rows_(head.logits_into(buf[: e - s], hidden[s:e]), log=True)  # log p
                 logp[s:e] = z.gather(1, token_ids[s:e, None]).squeeze(1)
                 if want_entropy:

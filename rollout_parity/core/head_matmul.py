@@ -249,8 +249,9 @@ class HeadProjector:
         """Free the tile buffer (the pass is over)."""
         self._wbuf = None
 
-    def logits_into(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """``out`` (rows, V) <- (h W^T + b) / T for the chunk ``h`` (rows, H) in its own dtype."""
+    def logits_into(self, out: torch.Tensor, h: torch.Tensor, divide: bool = True) -> torch.Tensor:
+        """``out`` (rows, V) <- (h W^T + b) / T for the chunk ``h`` (rows, H) in its own dtype (``divide=False``:
+        h W^T + b, for a caller that divides as it reads)."""
         if self.path == "gemm_fp32_out":
             _gemm_fp32_out(h, self.weight, out)
             if self.bias is not None:
@@ -263,7 +264,7 @@ class HeadProjector:
                     torch.mm(h, w.t(), out=o)
                 else:
                     torch.addmm(self.bias[v0:v1], h, w.t(), out=o)
-        if self.temperature != 1.0:
+        if divide and self.temperature != 1.0:
             # vLLM divides the fp32 logits by a float32 temperature per row: the same operation.
             out.div_(torch.full((out.shape[0], 1), self.temperature, dtype=out.dtype, device=out.device))
         return out

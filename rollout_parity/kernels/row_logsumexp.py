@@ -1,0 +1,76 @@
+"""One pass over each row of fp32 head logits: the token's logprob and the entropy at temperature T.
+
+For a chunk of logits z (rows, V) as the GEMM wrote them (before the temperature), per row i:
+
+    x_iv   = z_iv / T                       (IEEE division, as vLLM's ``logits.div_(temp)``)
+    lse_i  = m_i + log sum_v exp(x_iv - m_i),   m_i = max_v x_iv
+    logp_i = x_{i, y_i} - lse_i
+    H_i    = lse_i - sum_v softmax(x_i)_v x_iv
+
+read once, in blocks of the vocabulary with a running maximum (the online softmax: the partial sums are rescaled by
+exp(m_old - m_new) when the maximum grows). The torch path runs three passes over the chunk for the same result
+(the division, the in-place log-softmax, the entropy's exp); on an H200 at 8,192 x 4,096 x 151,936 those passes
+were most of the plain head pass's time beside its GEMM (docs/fp32_and_sampler.md, "On a GPU").
+
+The exponentials and the logarithm are Triton's (``exp2``/``log2`` based): a logprob differs from torch's
+log-softmax of the same logits by float rounding (about 1e-6 at |logprob| ~ 10), far below the head's own
+GEMM-to-GEMM difference between devices. The division is ``div_rn``: exactly torch's fp32 ``z / T``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["row_logprob_entropy", "BLOCK"]
+
+#: Vocabulary entries a program reads per step.
+BLOCK = 4096
+
+
+@triton.jit
+def _row_logprob_entropy_kernel(z_ptr, row_stride, ids_ptr, logp_ptr, ent_ptr, V, T,
+                                WANT_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    base = z_ptr + row.to(tl.int64) * row_stride
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    sx = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        inside = offs < V
+        x = tl.math.div_rn(tl.load(base + offs, mask=inside, other=float("-inf")), T)
+        new_m = tl.maximum(m, tl.max(x, 0))
+        # exp(-inf - -inf) is nan: a maximum still at -inf rescales nothing
+        scale = tl.where(new_m == float("-inf"), 0.0, tl.exp(m - new_m))
+        e = tl.where(inside, tl.exp(x - new_m), 0.0)
+        s = s * scale + tl.sum(e, 0)
+        if WANT_ENTROPY:
+            sx = sx * scale + tl.sum(e * tl.where(inside, x, 0.0), 0)
+        m = new_m
+    lse = m + tl.log(s)
+    token = tl.load(ids_ptr + row)
+    xt = tl.math.div_rn(tl.load(base + token), T)
+    tl.store(logp_ptr + row, xt - lse)
+    if WANT_ENTROPY:
+        tl.store(ent_ptr + row, lse - sx / s)
+
+
+def row_logprob_entropy(z: torch.Tensor, token_ids: torch.Tensor, temperature: float, logp_out: torch.Tensor,
+                        ent_out: Optional[torch.Tensor] = None) -> None:
+    """``logp_out[i]`` <- log softmax(z_i / T)[y_i] and ``ent_out[i]`` <- the entropy of softmax(z_i / T), for the
+    fp32 logits ``z`` (rows, V) with unit stride along V, ``token_ids`` (rows,) in [0, V) (not checked here: the
+    caller validated them), outputs fp32 of ``rows`` entries. ``z`` is only read."""
+    if z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1:
+        raise ValueError(f"z must be a 2-D float32 tensor contiguous along the vocabulary, got {z.dtype} "
+                         f"{tuple(z.shape)} strides {z.stride()}")
+    rows, vocab = z.shape
+    if rows == 0:
+        return
+    want = ent_out is not None
+    _row_logprob_entropy_kernel[(rows,)](
+        z, z.stride(0), token_ids, logp_out, ent_out if want else logp_out, vocab, float(temperature),
+        WANT_ENTROPY=want, BLOCK_V=BLOCK, num_warps=8)
