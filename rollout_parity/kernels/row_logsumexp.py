@@ -19,6 +19,7 @@ GEMM-to-GEMM difference between devices. The division is ``div_rn``: exactly tor
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -71,6 +72,8 @@ def row_logprob_entropy(z: torch.Tensor, token_ids: torch.Tensor, temperature: f
     if rows == 0:
         return
     want = ent_out is not None
-    _row_logprob_entropy_kernel[(rows,)](
-        z, z.stride(0), token_ids, logp_out, ent_out if want else logp_out, vocab, float(temperature),
-        WANT_ENTROPY=want, BLOCK_V=BLOCK, num_warps=8)
+    # Triton launches on the current CUDA device: make it the logits' one (a rank whose tensors sit on another)
+    with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
+        _row_logprob_entropy_kernel[(rows,)](
+            z, z.stride(0), token_ids, logp_out, ent_out if want else logp_out, vocab, float(temperature),
+            WANT_ENTROPY=want, BLOCK_V=BLOCK, num_warps=8)
