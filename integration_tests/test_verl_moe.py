@@ -37,8 +37,13 @@ from .support.verl_main_ppo import ADAPTER, OBSERVER, RUN_LR, SUPPORT, base_over
 
 pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
-# The bounds go through bound() and the runs take verl's rollout seed from spread.seed(); their spread over seeds is
-# not measured yet (two main_ppo runs a seed, marked extended): the values in the docstring are the suite's seed.
+# The bounds go through bound() and the runs take verl's rollout seed from spread.seed(). Measured over seeds 0-2
+# (``wt-run python scripts/measure_spread.py integration_tests/test_verl_moe.py -m extended --seeds 0 1 2``, ~6.5 min a
+# seed; integration_tests/data/spread/failed_runs/test_verl_moe.json): seeds 0 and 1 passed, step 1's mean |d|
+# 0.015-0.017 (< 0.03, 1.8x), step 2's 0.004-0.013 (2.3x), the largest healthy probe 0.013-0.015 (< 0.05, 3.4x); at
+# seed 2 the healthy run's two tests failed and recorded no value (the script kept no output then), and the same seed
+# run again alone passed all three. Step 1's margin is under 2x and the failure is not explained: not yet a measured
+# bound; the limits stand as they were set from the suite's seed (the docstring's values).
 HEALTHY_LR = 0.02  # steps large enough to move the policy, small enough that it does not collapse
 FLAGS = ["+rollout_parity.log_rollout_offpolicy_metrics=true", "+rollout_parity.weight_sync_check_interval=1"]
 SYNC_LINE = re.compile(r"\[rollout-parity\] weight sync (\d+): .*mean \|delta\| ([0-9.e-]+).*: ok")

@@ -55,6 +55,10 @@ def margin(op: str, limit: float, values: list[float]) -> tuple[float, float]:
     return worst, ratio if limit > 0 else 1 / ratio
 
 
+#: Lines of pytest's output printed for a condition that failed.
+FAILED_TAIL = 60
+
+
 def collect(targets: list[str], extra: list[str], env: dict) -> list[str]:
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           *targets, *extra], capture_output=True, text=True, env=env, cwd=ROOT)
@@ -71,6 +75,8 @@ def run_condition(targets: list[str], extra: list[str], env: dict, log: Path, la
     summary = (proc.stdout or "").strip().splitlines()[-1:] if not verbose else []
     print(f"[measure_spread] {label}: exit {proc.returncode} in {time.time() - t0:.0f} s "
           f"{summary[0] if summary else ''}", flush=True)
+    if proc.returncode and not verbose:  # what failed: without it a failed condition cannot be told from a flake
+        print("\n".join(f"    | {line}" for line in (proc.stdout or "").splitlines()[-FAILED_TAIL:]), flush=True)
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     for r in records:
         r["condition"] = label

@@ -97,3 +97,17 @@ def test_the_keyword_and_marker_options_reach_pytest(monkeypatch, argv, extra):
     monkeypatch.setattr(measure_spread, "run_condition", fake_run)
     measure_spread.main(argv)
     assert seen == [extra]
+
+
+@pytest.mark.parametrize("returncode", [0, 1])
+def test_a_failed_condition_prints_the_end_of_pytests_output(monkeypatch, tmp_path, capsys, returncode):
+    output = "\n".join(f"line {i}" for i in range(100)) + "\nE   AssertionError: the reason"
+
+    def fake_subprocess_run(cmd, capture_output, text, env, cwd):
+        return measure_spread.subprocess.CompletedProcess(cmd, returncode, stdout=output, stderr="")
+
+    monkeypatch.setattr(measure_spread.subprocess, "run", fake_subprocess_run)
+    measure_spread.run_condition(["t.py"], [], {}, tmp_path / "log.jsonl", "seed 2", verbose=False)
+    out = capsys.readouterr().out
+    assert ("| E   AssertionError: the reason" in out) == bool(returncode)
+    assert "| line 0\n" not in out  # only the end
