@@ -44,8 +44,15 @@ def _top(name: str) -> str:
 
 @pytest.mark.parametrize("path", _modules("core"), ids=lambda p: p.name)
 def test_core_imports_torch_and_itself_only(path):
+    """And the CUDA kernels below it (imported inside a function, on CUDA only: tests/test_core_imports.py)."""
     bad = {n for n in _imports(path) if _top(n) not in STDLIB | {"torch", "omegaconf", "yaml", "__future__"}
-           and not n.startswith("rollout_parity.core")}
+           and not n.startswith(("rollout_parity.core", "rollout_parity.kernels"))}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _modules("kernels"), ids=lambda p: p.name)
+def test_kernels_import_torch_and_triton_only(path):
+    bad = {n for n in _imports(path) if _top(n) not in STDLIB | {"torch", "triton", "__future__"}}
     assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
