@@ -103,6 +103,30 @@ def test_find_routers_refuses_a_router_it_cannot_replay():
         find_routers(Block())
 
 
+def test_find_routers_refuses_a_router_outside_a_numbered_decoder_layer():
+    """Replay keys each recorded route by its decoder layer: a supported router with no ``layers.N.`` in its name
+    has no layer to take routes from."""
+    class TopKRouter(torch.nn.Module):
+        top_k, norm_topk_prob = 2, True
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 8))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Module()])
+            self.blocks[0].gate = TopKRouter()
+
+    with pytest.raises(NotImplementedError, match=r"no decoder layer index in the router's name 'blocks\.0\.gate'"):
+        find_routers(Model())
+    model = Model()
+    model.layers = model.blocks  # the same router under a numbered decoder layer is found
+    del model.blocks
+    assert [(layer, name) for layer, name, _ in find_routers(model)] == [(0, "layers.0.gate")]
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_with_replay_the_trainer_routes_every_token_as_the_engine_did(hf):
