@@ -3,14 +3,20 @@
 Prints, measured in this one run (machines here are noisy, so only ratios are compared):
   policy_loss alone (forward + backward)                      -> the baseline
   compute_correction (tis_srs_k3 + off-policy mask + all metrics) + policy_loss (fwd+bwd)
-and their ratio. Target: ratio <= 1.5, i.e. the correction costs at most half the loss.
+and their ratio, with the correction as it runs by default (eager) and with ``compile_correction``
+(``torch.compile``: its passes fused). The compiled correction is timed as a run reaches it after its first
+steps: a batch 64 tokens shorter compiles first, so the timed batch runs the graph with the length symbolic
+(what TRL's changing completion lengths give), and compiling is not timed. Beside it, the correction's graph
+with the batch size and the length both symbolic (a run where both change), against the eager correction.
+Target: ratio <= 1.5, i.e. the correction costs at most half the loss.
 
 The loss is timed with its backward because that is what a training step pays for it; the
 correction has no backward (its weights are detached). Both include their metrics' one host
 sync each; on a GPU every timed call ends with ``torch.cuda.synchronize()``, so a call's time is
 its kernels' time, not only their launch.
 
-Last line: ``RESULT overhead_ratio=... correction_vs_loss=... metrics_vs_loss=...`` (ratios of this run).
+Last line: ``RESULT overhead_ratio=... correction_vs_loss=... metrics_vs_loss=... compiled_overhead_ratio=...
+compiled_vs_eager=... both_symbolic_vs_eager=...`` (ratios of this run; ``--no-compile`` leaves out the compiled ones).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 import torch
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss
+from rollout_parity.core.correction import correction_token_pass
 
 
 def make_batch(B: int, T: int, seed: int = 0, device: str = "cpu"):
@@ -60,6 +67,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    parser.add_argument("--no-compile", action="store_true", help="time the eager correction only")
     args = parser.parse_args()
 
     old, rollout, current, mask, adv = make_batch(args.batch, args.tokens, device=args.device)
@@ -78,14 +86,33 @@ def main() -> None:
         loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
         loss.backward()
 
-    def correction_only(with_metrics: bool):
+    def correction_only(with_metrics: bool, flags: CorrectionConfig = cfg):
         def run():
-            compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+            compute_correction(flags, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
                                advantages=adv, current_logprobs=current, with_metrics=with_metrics)
         return run
 
-    best = fastest({"loss": loss_only, "full": corrected, "correction": correction_only(True),
-                    "no_metrics": correction_only(False)}, args.repeats, args.device)
+    compiled = cfg.replace(compile_correction=True)
+
+    def corrected_compiled():
+        current.grad = None
+        out = compute_correction(compiled, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                                 advantages=adv, current_logprobs=current)
+        loss, _ = policy_loss(compiled, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
+        loss.backward()
+
+    timed = {"loss": loss_only, "full": corrected, "correction": correction_only(True),
+             "no_metrics": correction_only(False)}
+    if not args.no_compile:
+        short = make_batch(args.batch, args.tokens - 64, seed=1, device=args.device)
+        compute_correction(compiled, old_logprobs=short[0], rollout_logprobs=short[1], response_mask=short[3],
+                           advantages=short[4], current_logprobs=short[2])
+        timed.update(full_compiled=corrected_compiled, correction_compiled=correction_only(True, compiled))
+        # What a run whose batch size and length both change gets: both dimensions symbolic.
+        both_symbolic = torch.compile(correction_token_pass, dynamic=True)
+        inputs = (old, rollout, mask, adv, current.detach())
+        timed["correction_both_symbolic"] = lambda: both_symbolic(cfg, *inputs, True)[-1].tolist()
+    best = fastest(timed, args.repeats, args.device)
     t_base, t_full, t_corr, t_bare = best["loss"], best["full"], best["correction"], best["no_metrics"]
     ratio = t_full / t_base
 
@@ -97,9 +124,18 @@ def main() -> None:
     print(f"{'compute_correction (tis_srs_k3 + off-policy), no metrics':58s} {t_bare * 1e3:9.3f}")
     print(f"{'compute_correction (tis_srs_k3 + off-policy + metrics)':58s} {t_corr * 1e3:9.3f}")
     print(f"{'compute_correction + policy_loss (fwd+bwd)':58s} {t_full * 1e3:9.3f}")
+    compiled_result = ""
+    if not args.no_compile:
+        t_ccorr, t_cfull = best["correction_compiled"], best["full_compiled"]
+        print(f"{'compute_correction, compile_correction=true (+ metrics)':58s} {t_ccorr * 1e3:9.3f}")
+        print(f"{'the same + policy_loss (fwd+bwd)':58s} {t_cfull * 1e3:9.3f}")
+        t_both = best["correction_both_symbolic"]
+        print(f"{'compiled correction, batch and length both symbolic':58s} {t_both * 1e3:9.3f}")
+        compiled_result = (f" compiled_overhead_ratio={t_cfull / t_base:.3f} compiled_vs_eager={t_ccorr / t_corr:.3f}"
+                           f" both_symbolic_vs_eager={t_both / t_corr:.3f}")
     print(f"overhead ratio (target <= 1.5): {ratio:.3f}")
     print(f"RESULT overhead_ratio={ratio:.3f} correction_vs_loss={t_corr / t_base:.3f} "
-          f"metrics_vs_loss={(t_corr - t_bare) / t_base:.3f}")
+          f"metrics_vs_loss={(t_corr - t_bare) / t_base:.3f}{compiled_result}")
 
 
 if __name__ == "__main__":

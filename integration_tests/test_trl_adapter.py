@@ -614,6 +614,7 @@ EVERY_FLAG = [
     (["--weight_sync_check_threshold", "0.2"], dict(weight_sync_check_threshold=0.2)),
     (["--moe_routing_replay", "true"], dict(moe_routing_replay=True)),
     (["--rollout_sampling_replay", "true"], dict(rollout_sampling_replay=True)),
+    (["--compile_correction", "true"], dict(compile_correction=True)),
 ]
 
 

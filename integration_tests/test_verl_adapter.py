@@ -253,6 +253,7 @@ VERL_EVERY_FLAG = [
     (["+rollout_parity.weight_sync_check_threshold=0.2"], dict(weight_sync_check_threshold=0.2)),
     (["+rollout_parity.moe_routing_replay=true"], dict(moe_routing_replay=True)),
     (["+rollout_parity.rollout_sampling_replay=true"], dict(rollout_sampling_replay=True)),
+    (["+rollout_parity.compile_correction=true"], dict(compile_correction=True)),
     (["+rollout_parity.preset=icepop"], CorrectionConfig.preset("icepop").to_dict()),
 ]
 

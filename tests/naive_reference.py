@@ -55,6 +55,7 @@ LATER_DEFAULTS = {
     "weight_sync_check_threshold": 0.05,
     "moe_routing_replay": False,
     "rollout_sampling_replay": False,
+    "compile_correction": False,
 }
 
 

@@ -191,6 +191,7 @@ LAUNCH_EVERY_FLAG = [
     (["--weight_sync_check_threshold", "0.2"], dict(weight_sync_check_threshold=0.2)),
     (["--moe_routing_replay"], dict(moe_routing_replay=True)),
     (["--rollout_sampling_replay"], dict(rollout_sampling_replay=True)),
+    (["--compile_correction"], dict(compile_correction=True)),
 ]
 
 

@@ -303,6 +303,9 @@ class CorrectionConfig:
     rollout_sampling_replay: bool = field(
         default=False, metadata={"help": "vLLM returns each token's kept set (return_sampling_mask, Model Runner V2; "
                                          "needs top_k > 0) and pi_old is renormalised over exactly it"})
+    compile_correction: bool = field(
+        default=False, metadata={"help": "run the correction's token pass and diagnostics through torch.compile "
+                                         "(fused kernels; the first step compiles them)"})
 
     def __post_init__(self) -> None:
         mode = self.rollout_importance_sampling_mode
@@ -380,7 +383,8 @@ class CorrectionConfig:
         if not sync_threshold > 0:
             raise _flag_error("weight_sync_check_threshold", f"must be > 0, got {sync_threshold}")
         object.__setattr__(self, "weight_sync_check_threshold", sync_threshold)
-        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head", "moe_routing_replay", "rollout_sampling_replay"):
+        for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head", "moe_routing_replay", "rollout_sampling_replay",
+                     "compile_correction"):
             if not isinstance(getattr(self, flag), bool):
                 raise _flag_error(flag, f"must be a bool, got {getattr(self, flag)!r}")
 

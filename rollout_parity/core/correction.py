@@ -1,7 +1,8 @@
 """``compute_correction``: importance-sampling weights, rejection and off-policy masks.
 
 One vectorised pass over ``(B, T)`` tensors with the response mask; no Python loop over
-sequences. The math, from these sources:
+sequences, and nothing read back to the host before the metrics' one transfer, so ``torch.compile`` can fuse
+the whole pass (``compile_correction``). The math, from these sources:
 
 * IS modes and thresholds: ms-swift (../shared/seeds/ms-swift-rollout-importance-sampling.txt),
   ``w_t = min(r_corr,t, C)`` is TIS, paper eq. 6 (../shared/seeds/tim-diagnosis-paper.txt).
@@ -21,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .config import CorrectionConfig, RejectionRule
-from .metrics import PREFIX, correction_metric_values, finish_correction_metrics
+from .metrics import PREFIX, correction_metric_values, finish_correction_metrics, reduce_metric_values
 from .ratios import (TokenStats, check_shapes, compute_dtype, sanitized_log_ratio,
                      zero_padding_advantages)
 
@@ -186,6 +187,9 @@ def compute_correction(
         ``CorrectionOutput`` with ``weights`` (1 where no IS mode is set), ``mask`` (the
         response mask after rejection and off-policy masking, in its own dtype) and
         ``metrics`` (``rollout_correction/*`` floats, one host sync).
+
+    The inputs are validated here, eagerly; the tensors come from :func:`correction_token_pass`, run through
+    ``torch.compile`` under ``cfg.compile_correction`` (:func:`compiled_token_pass`).
     """
     check_shapes("response_mask", response_mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
                  current_logprobs=current_logprobs)
@@ -214,12 +218,67 @@ def compute_correction(
                 "current_logprobs is None: under old_logprob_source='bypass' rejection and diagnostics use "
                 "pi_theta/pi_rollout (pi_old is pi_rollout), so pass the current policy's logprobs"
             )
-        base = current_logprobs
-    else:
-        if old_logprobs is None and rollout_logprobs is not None and needs_rollout:
-            raise ValueError("old_logprobs is None, but old_logprob_source='recompute' needs the trainer's pi_old")
-        base = old_logprobs
+    elif old_logprobs is None and rollout_logprobs is not None and needs_rollout:
+        raise ValueError("old_logprobs is None, but old_logprob_source='recompute' needs the trainer's pi_old")
+    if cfg.off_policy_sequence_mask_delta is not None:
+        if current_logprobs is None or advantages is None:
+            raise ValueError(
+                "off_policy_sequence_mask_delta needs current_logprobs and advantages "
+                f"(got current_logprobs={'set' if current_logprobs is not None else None}, "
+                f"advantages={'set' if advantages is not None else None})"
+            )
+        if rollout_logprobs is None and old_logprobs is None:
+            raise ValueError("off_policy_sequence_mask_delta needs rollout_logprobs or old_logprobs")
 
+    inputs = tuple(None if t is None else t.detach() for t in (old_logprobs, rollout_logprobs, response_mask,
+                                                                advantages, current_logprobs))
+    token_pass = compiled_token_pass() if cfg.compile_correction else correction_token_pass
+    weights, mask, log_ratio, seq_lr, rejected, off_policy, nonfinite, pending = token_pass(cfg, *inputs,
+                                                                                             want_metrics)
+    finish = None
+    if pending is not None:
+        if rollout_logprobs is None:
+            finish = _off_policy_frac_only
+        else:
+            finish = finish_correction_metrics
+            reduce_metric_values(pending, process_group)
+    metrics: dict[str, float] = {}
+    if pending is not None and not defer_metrics:
+        metrics = finish(pending.tolist())  # the one host sync
+
+    return CorrectionOutput(
+        weights=weights,
+        mask=mask,
+        metrics=metrics,
+        old_logprobs=rollout_logprobs if bypass else old_logprobs,
+        log_ratio=log_ratio,
+        sequence_log_ratio=seq_lr,
+        rejected=rejected,
+        off_policy_masked=off_policy,
+        nonfinite=nonfinite,
+        pending_metrics=pending if defer_metrics else None,
+        _finish=finish if defer_metrics else None,
+    )
+
+
+def correction_token_pass(
+    cfg: CorrectionConfig,
+    old_logprobs: Optional[torch.Tensor],
+    rollout_logprobs: Optional[torch.Tensor],
+    response_mask: torch.Tensor,
+    advantages: Optional[torch.Tensor],
+    current_logprobs: Optional[torch.Tensor],
+    want_metrics: bool,
+) -> tuple:
+    """Every tensor of :func:`compute_correction` from inputs it has validated (and detached).
+
+    Only tensor operations and branches on the flags and dtypes: nothing reads a tensor's value back,
+    so ``torch.compile`` takes it as one graph (``compile_correction``). The diagnostics come back as
+    one vector, not yet all-reduced. Returns ``(weights, mask, log_ratio, sequence_log_ratio, rejected,
+    off_policy_masked, nonfinite, pending_metrics or None)``.
+    """
+    bypass = cfg.old_logprob_source == "bypass"
+    base = current_logprobs if bypass else old_logprobs
     dtype = compute_dtype(old_logprobs, rollout_logprobs, current_logprobs)
     valid_f = response_mask if response_mask.dtype == dtype else (response_mask != 0).to(dtype)
 
@@ -239,13 +298,13 @@ def compute_correction(
     reads_current = current_logprobs is not None and not bypass and (want_metrics or delta_on)
     reads_old = rollout_logprobs is None and old_logprobs is not None and delta_on
     if reads_current and old_logprobs is not None:
-        stats.read_also(current_logprobs.detach().to(dtype) - old_logprobs.detach().to(dtype), ppo_log_ratio=True)
+        stats.read_also(current_logprobs.to(dtype) - old_logprobs.to(dtype), ppo_log_ratio=True)
     else:
         for values, read in ((current_logprobs, reads_current), (old_logprobs, reads_old)):
             if read:
                 stats.read_also(values)
     if advantages is not None and (want_metrics or delta_on):
-        advantages = zero_padding_advantages(advantages.detach(), valid_f, stats.tokens_per_seq)
+        advantages = zero_padding_advantages(advantages, valid_f, stats.tokens_per_seq)
     seq_lr = stats.sequence_log_ratio(cfg.rollout_importance_sampling_sequence_reduction)
 
     clipped = None
@@ -263,19 +322,11 @@ def compute_correction(
     keep_before_off_policy = seq_keep
 
     off_policy = torch.zeros_like(seq_keep)
-    if cfg.off_policy_sequence_mask_delta is not None:
-        if current_logprobs is None or advantages is None:
-            raise ValueError(
-                "off_policy_sequence_mask_delta needs current_logprobs and advantages "
-                f"(got current_logprobs={'set' if current_logprobs is not None else None}, "
-                f"advantages={'set' if advantages is not None else None})"
-            )
+    if delta_on:
         behaviour = rollout_logprobs if rollout_logprobs is not None else old_logprobs
-        if behaviour is None:
-            raise ValueError("off_policy_sequence_mask_delta needs rollout_logprobs or old_logprobs")
         # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's valid tokens; a token with a
         # non-finite logprob is neutral (drift 0) but still counted, as TRL does for a NaN.
-        drift = torch.sub(behaviour.detach().to(dtype), current_logprobs.detach().to(dtype), out=stats.scratch)
+        drift = torch.sub(behaviour.to(dtype), current_logprobs.to(dtype), out=stats.scratch)
         drift = drift.nan_to_num_(0.0, 0.0, 0.0).mul_(stats.clean_f).sum(dim=-1)
         delta = drift / stats.tokens_per_seq.clamp_min(1.0)
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, stats) < 0)
@@ -298,11 +349,10 @@ def compute_correction(
     else:
         mask = response_mask * keep_f.to(response_mask.dtype)
 
-    pending, finish = None, None
+    pending = None
     if want_metrics and rollout_logprobs is None:
         seq_valid = stats.tokens_per_seq > 0
         pending = ((off_policy & seq_valid).sum() / seq_valid.sum().clamp_min(1)).to(torch.float64).reshape(1)
-        finish = _off_policy_frac_only
     elif metrics_on:
         pending = correction_metric_values(
             stats=stats,
@@ -318,26 +368,27 @@ def compute_correction(
             advantages=advantages,
             current_logprobs=current_logprobs,
             bypass=bypass,
-            process_group=process_group,
         )
-        finish = finish_correction_metrics
-    metrics: dict[str, float] = {}
-    if pending is not None and not defer_metrics:
-        metrics = finish(pending.tolist())  # the one host sync
+    return (weights, mask, log_ratio, seq_lr, rejected if rejected is not None else torch.zeros_like(valid_f),
+            off_policy, stats.read_nonfinite_f, pending)
 
-    return CorrectionOutput(
-        weights=weights.detach(),
-        mask=mask,
-        metrics=metrics,
-        old_logprobs=rollout_logprobs if bypass else old_logprobs,
-        log_ratio=log_ratio,
-        sequence_log_ratio=seq_lr,
-        rejected=rejected if rejected is not None else torch.zeros_like(valid_f),
-        off_policy_masked=off_policy,
-        nonfinite=stats.read_nonfinite_f,
-        pending_metrics=pending if defer_metrics else None,
-        _finish=finish if defer_metrics else None,
-    )
+
+_COMPILED: list = []
+
+
+def compiled_token_pass() -> Callable[..., tuple]:
+    """:func:`correction_token_pass` through ``torch.compile`` (``compile_correction``), built once per process.
+
+    torch's automatic dynamic shapes: the first batch compiles for its exact shape, and the first batch of
+    another shape once more with the dimension that changed left symbolic; later shapes reuse that graph.
+    Frameworks change one dimension from step to step (TRL and NeMo RL the length, verl with dynamic batch
+    sizes the rows), and on CPU a graph with that one dimension symbolic ran as fast as an exact one, while
+    ``dynamic=True`` (both symbolic) ran slower than eager (benchmarks/correction_overhead.py). The flags are
+    constants of the graph: a run with one configuration compiles per shape family only.
+    """
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(correction_token_pass))
+    return _COMPILED[0]
 
 
 def _off_policy_frac_only(values: Sequence[float]) -> dict[str, float]:

@@ -78,11 +78,10 @@ def correction_metric_values(
     advantages: Optional[torch.Tensor],
     current_logprobs: Optional[torch.Tensor],
     bypass: bool,
-    process_group: Any = None,
 ) -> torch.Tensor:
-    """All diagnostics of one batch as one float64 vector on the device, all-reduced over ``process_group``;
-    :func:`finish_correction_metrics` turns it, read back, into the named metrics. ``weights``/``clipped``/
-    ``rejected`` are None when off.
+    """All diagnostics of one batch as one float64 vector on the device (sums, then maxima; reduced over ranks
+    by :func:`reduce_metric_values`); :func:`finish_correction_metrics` turns it, read back, into the named
+    metrics. ``weights``/``clipped``/``rejected`` are None when off.
 
     ``clipped`` is the count of valid tokens the IS mode truncated or zeroed (0-d); ``rejected`` a
     float 0/1 mask over valid tokens, and ``rejected_rows`` the rejected sequences (bool ``(B,)``)
@@ -155,9 +154,16 @@ def correction_metric_values(
     extrema = torch.where(ppl_valid, torch.stack([lpd, -lpd]), neg_inf).amax(dim=-1) if lpd.numel() else (
         neg_inf.expand(2))
     maxes = torch.cat([delta_abs_max.to(torch.float64).reshape(1), extrema])
-    all_reduce(sums, process_group)
-    all_reduce(maxes, process_group, "max")
     return torch.cat([sums, maxes])
+
+
+def reduce_metric_values(values: torch.Tensor, process_group: Any) -> torch.Tensor:
+    """:func:`correction_metric_values`' vector all-reduced in place over ``process_group``: SUM over the sums,
+    MAX over the maxima (two collectives; nothing without a group). Returns ``values``."""
+    n_sums = len(_SUM_KEYS)
+    all_reduce(values[:n_sums], process_group)
+    all_reduce(values[n_sums:], process_group, "max")
+    return values
 
 
 def finish_correction_metrics(values: Sequence[float]) -> dict[str, float]:

@@ -133,6 +133,7 @@ class ParityGRPOConfig(GRPOConfig):
     weight_sync_check_threshold: float = _shared_field("weight_sync_check_threshold")
     moe_routing_replay: bool = _shared_field("moe_routing_replay")
     rollout_sampling_replay: bool = _shared_field("rollout_sampling_replay")
+    compile_correction: bool = _shared_field("compile_correction")
     # TRL's own options that the shared flags overlap: the same fields, their help saying which wins.
     vllm_importance_sampling_mode: str = _trl_field("vllm_importance_sampling_mode", _TRL_IS_NOTE)
     vllm_importance_sampling_clip_max: Optional[float] = _trl_field("vllm_importance_sampling_clip_max", _TRL_IS_NOTE)
