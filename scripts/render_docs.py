@@ -64,6 +64,8 @@ LOGS: dict[str, str] = {
                                         "python benchmarks/correction_overhead.py --device cuda --batch 256 "
                                         "--tokens 8192 --repeats 20",
     "gpu/head_pass_profile_h200.log": "python scripts/gpu_head_pass_profile.py",
+    # three runs back to back on the 2-core CPU machine, nothing else running (2026-11-27)
+    "cpu/correction_overhead.log": "for i in 1 2 3; do python benchmarks/correction_overhead.py --repeats 100; done",
 }
 
 LOG_MARKER = re.compile(r"<!-- log:(?P<file>[^: ]+):(?P<select>[^>]*?) -->(?P<body>.*?)<!-- /log -->", re.DOTALL)
