@@ -42,6 +42,14 @@ def make_batch(B: int, T: int, seed: int = 0, device: str = "cpu"):
     return old, rollout, current.to(device).requires_grad_(), mask, adv
 
 
+def tis_srs_k3_with_off_policy_mask() -> CorrectionConfig:
+    """The ``tis_srs_k3`` preset plus the off-policy mask at 0.5, written out: the preset loader needs
+    omegaconf, which a bare GPU image may lack (tests/test_benchmark_flags.py checks it equals the preset)."""
+    return CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=2.0,
+                            rollout_rejection=["seq_sum_k3"], rollout_rejection_threshold=0.001,
+                            off_policy_sequence_mask_delta=0.5)
+
+
 def fastest(fns: dict, repeats: int, device: str = "cpu") -> dict:
     """The fastest call of each function, calling them in turn so drift in machine load hits all alike.
 
@@ -72,7 +80,7 @@ def main() -> None:
 
     old, rollout, current, mask, adv = make_batch(args.batch, args.tokens, device=args.device)
     plain = CorrectionConfig()
-    cfg = CorrectionConfig.preset("tis_srs_k3", off_policy_sequence_mask_delta=0.5)
+    cfg = tis_srs_k3_with_off_policy_mask()
 
     def loss_only():
         current.grad = None
