@@ -68,7 +68,11 @@ def _worker(rank, world, port, results):
         kept = kept_mass_metrics(log_kept_mass()[half], mask[half], process_group=dist.group.WORLD)
         ops = {op: all_reduce(torch.tensor([float(rank + 1), -float(rank)]), dist.group.WORLD, op=op).tolist()
                for op in ("sum", "max")}
-        results[rank] = (out.metrics, out.weights, out.mask, cur.grad, loss.detach(), shared, kept, ops)
+        # Without rollout logprobs the off-policy mask reads pi_old, and its one diagnostic is all-reduced too.
+        pi_old_only = compute_correction(CorrectionConfig(off_policy_sequence_mask_delta=0.02), old_logprobs=old[half],
+                                         response_mask=mask[half], advantages=adv[half], current_logprobs=cur,
+                                         process_group=dist.group.WORLD).metrics
+        results[rank] = (out.metrics, out.weights, out.mask, cur.grad, loss.detach(), shared, kept, ops, pi_old_only)
     finally:
         dist.destroy_process_group()
 
@@ -87,8 +91,8 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch():
     loss, _ = policy_loss(cfg, current_logprobs=cur, old_logprobs=old, advantages=adv, correction=out)
     loss.backward()
 
-    m0, w0, k0, g0, l0, s0, kept0, ops0 = results[0]
-    m1, w1, k1, g1, l1, s1, kept1, ops1 = results[1]
+    m0, w0, k0, g0, l0, s0, kept0, ops0, old0 = results[0]
+    m1, w1, k1, g1, l1, s1, kept1, ops1, old1 = results[1]
     assert m0 == m1  # every rank logs the same, global numbers
     for key, value in out.metrics.items():
         assert m0[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -114,3 +118,12 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch():
     assert kept0 != kept_mass_metrics(log_kept_mass()[:4], mask[:4])
     # all_reduce's op: sum and max of [rank + 1, -rank] over ranks 0 and 1
     assert ops0 == ops1 == {"sum": [3.0, -1.0], "max": [2.0, 0.0]}
+
+    # the off-policy mask on pi_old (no rollout logprobs): the global share of masked non-empty sequences
+    def pi_old_only(rows):
+        return compute_correction(CorrectionConfig(off_policy_sequence_mask_delta=0.02), old_logprobs=old[rows],
+                                  response_mask=mask[rows], advantages=adv[rows],
+                                  current_logprobs=current[rows]).metrics["rollout_correction/off_policy_masked_frac"]
+    assert old0 == old1
+    assert old0["rollout_correction/off_policy_masked_frac"] == pytest.approx(pi_old_only(slice(None)), rel=1e-12)
+    assert pi_old_only(slice(0, 4)) != pi_old_only(slice(4, 8))  # a local share would differ between the ranks

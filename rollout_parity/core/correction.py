@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .config import CorrectionConfig, RejectionRule
+from .distributed import all_reduce
 from .metrics import PREFIX, correction_metric_values, finish_correction_metrics, reduce_metric_values
 from .ratios import (TokenStats, check_shapes, compute_dtype, sanitized_log_ratio,
                      zero_padding_advantages)
@@ -236,12 +237,12 @@ def compute_correction(
     weights, mask, log_ratio, seq_lr, rejected, off_policy, nonfinite, pending = token_pass(cfg, *inputs,
                                                                                              want_metrics)
     finish = None
-    if pending is not None:
-        if rollout_logprobs is None:
-            finish = _off_policy_frac_only
-        else:
-            finish = finish_correction_metrics
-            reduce_metric_values(pending, process_group)
+    if pending is not None and rollout_logprobs is None:
+        finish = _off_policy_frac_only
+        all_reduce(pending, process_group)
+    elif pending is not None:
+        finish = finish_correction_metrics
+        reduce_metric_values(pending, process_group)
     metrics: dict[str, float] = {}
     if pending is not None and not defer_metrics:
         metrics = finish(pending.tolist())  # the one host sync
@@ -351,8 +352,8 @@ def correction_token_pass(
 
     pending = None
     if want_metrics and rollout_logprobs is None:
-        seq_valid = stats.tokens_per_seq > 0
-        pending = ((off_policy & seq_valid).sum() / seq_valid.sum().clamp_min(1)).to(torch.float64).reshape(1)
+        seq_valid = stats.tokens_per_seq > 0  # masked and non-empty sequences: two counts, summed over ranks
+        pending = torch.stack([(off_policy & seq_valid).sum(), seq_valid.sum()]).to(torch.float64)
     elif metrics_on:
         pending = correction_metric_values(
             stats=stats,
@@ -392,5 +393,6 @@ def compiled_token_pass() -> Callable[..., tuple]:
 
 
 def _off_policy_frac_only(values: Sequence[float]) -> dict[str, float]:
-    """The one diagnostic without rollout logprobs (the off-policy mask on π_old)."""
-    return {PREFIX + "off_policy_masked_frac": float(values[0])}
+    """The one diagnostic without rollout logprobs (the off-policy mask on π_old): masked / non-empty sequences."""
+    masked, sequences = values
+    return {PREFIX + "off_policy_masked_frac": float(masked) / sequences if sequences > 0 else 0.0}
