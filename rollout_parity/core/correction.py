@@ -24,7 +24,7 @@ import torch
 from .config import CorrectionConfig, RejectionRule
 from .distributed import all_reduce
 from .metrics import PREFIX, correction_metric_values, finish_correction_metrics, reduce_metric_values
-from .ratios import (TokenStats, check_shapes, compute_dtype, sanitized_log_ratio,
+from .ratios import (TokenStats, check_shapes, compute_dtype, nonfinite_to_zero_, sanitized_log_ratio,
                      zero_padding_advantages)
 
 
@@ -328,7 +328,7 @@ def correction_token_pass(
         # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's valid tokens; a token with a
         # non-finite logprob is neutral (drift 0) but still counted, as TRL does for a NaN.
         drift = torch.sub(behaviour.to(dtype), current_logprobs.to(dtype), out=stats.scratch)
-        drift = drift.nan_to_num_(0.0, 0.0, 0.0).mul_(stats.clean_f).sum(dim=-1)
+        drift = nonfinite_to_zero_(drift).mul_(stats.clean_f).sum(dim=-1)
         delta = drift / stats.tokens_per_seq.clamp_min(1.0)
         off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, stats) < 0)
         seq_keep = seq_keep & ~off_policy

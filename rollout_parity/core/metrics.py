@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .distributed import all_reduce
-from .ratios import LOG_RATIO_BOUND, TokenStats
+from .ratios import LOG_RATIO_BOUND, TokenStats, nonfinite_to_zero_
 
 #: ``correction_metric_values`` and ``finish_correction_metrics`` are reached through ``compute_correction`` only.
 __all__ = ["PREFIX"]
@@ -189,7 +189,7 @@ def _loss_contributions(stats: TokenStats, advantages: torch.Tensor, current_log
     else:
         old = rollout_logprobs  # bypass: π_old is π_rollout (the only case without the kept difference)
         lr_train = torch.sub(current_logprobs.detach().to(dtype), old.detach().to(dtype), out=stats.scratch)
-    lr_train.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(clean)
+    lr_train = nonfinite_to_zero_(lr_train).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(clean)
     r_train = lr_train.exp_()  # 1 off the finite tokens, so r - 1 needs no mask there
     roll = None
     if not bypass:

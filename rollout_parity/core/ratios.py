@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -50,9 +52,31 @@ def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
     return dtype
 
 
+# Under torch.compile (``compile_correction``) NaN tests are written as comparisons (x != x, x - x != 0): Inductor's
+# CPU code runs isnan one element at a time inside its vectorised loops, where a comparison stays vectorised. Eager
+# keeps torch's one-pass in-place nan_to_num.
+
 def _plus_inf_to_nan(x: torch.Tensor) -> torch.Tensor:
+    """A fresh copy of ``x`` with +inf (which no logprob can be) turned to NaN."""
     nan = float("nan")
+    if torch.compiler.is_compiling():
+        return torch.where(x == math.inf, nan, x)
     return x.nan_to_num(nan=nan, posinf=nan, neginf=float("-inf"))
+
+
+def nan_to_(x: torch.Tensor, value: float) -> torch.Tensor:
+    """``x`` with NaN set to ``value`` (in place in eager, where ±inf also become ±max: every caller clamps them
+    or has none)."""
+    if torch.compiler.is_compiling():
+        return torch.where(x == x, x, value)
+    return x.nan_to_num_(nan=value)
+
+
+def nonfinite_to_zero_(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with NaN and ±inf set to 0 (in place in eager)."""
+    if torch.compiler.is_compiling():
+        return torch.where(x - x == 0, x, 0.0)
+    return x.nan_to_num_(0.0, 0.0, 0.0)
 
 
 def sanitized_log_ratio(
@@ -76,8 +100,8 @@ def sanitized_log_ratio(
     other = _plus_inf_to_nan(denominator.detach().to(dtype))
     diff.sub_(other)  # both are fresh copies: work in place, a new (B, T) buffer costs more than the math
     # x - x is 0 for a finite x and NaN for NaN or ±inf, so this is 1 exactly where diff is not finite.
-    nonfinite = torch.sub(diff, diff, out=other).nan_to_num_(nan=1.0).mul_(valid_f)
-    log_ratio = diff.nan_to_num_(0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    nonfinite = nan_to_(torch.sub(diff, diff, out=other), 1.0).mul_(valid_f)
+    log_ratio = nan_to_(diff, 0.0).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return log_ratio.mul_(valid_f), nonfinite
 
 
@@ -85,7 +109,7 @@ def nonfinite_mask(values: torch.Tensor, valid_f: torch.Tensor) -> torch.Tensor:
     """Float 0/1 mask of the valid tokens where ``values`` is NaN or ±inf."""
     x = values.detach().to(valid_f.dtype)
     # x - x is 0 for a finite x and NaN for NaN or ±inf (a fresh tensor, so the rest is in place).
-    return torch.sub(x, x).nan_to_num_(nan=1.0).mul_(valid_f)
+    return nan_to_(torch.sub(x, x), 1.0).mul_(valid_f)
 
 
 def zero_padding_advantages(advantages: torch.Tensor, valid_f: torch.Tensor,
@@ -185,7 +209,7 @@ class TokenStats:
             probe.add_(self.valid_f).sub_(self.nonfinite_f)  # the r_corr-finite tokens, without a buffer for them
         else:
             probe.add_(self.clean_f)
-        self._clean_f = probe.nan_to_num_(0.0)
+        self._clean_f = nan_to_(probe, 0.0)
         self.read_nonfinite_f = self.valid_f - self._clean_f
 
     @property
@@ -202,7 +226,9 @@ class TokenStats:
         """
         if name not in self._finite_row_sums:
             product = torch.mul(values.detach(), self.finite_f, out=self.scratch)
-            self._finite_row_sums[name] = torch.nansum(product, dim=-1)
+            # compiled: a NaN-to-0 comparison and a plain sum (Inductor's nansum tests isnan element by element)
+            self._finite_row_sums[name] = (nan_to_(product, 0.0).sum(dim=-1) if torch.compiler.is_compiling()
+                                           else torch.nansum(product, dim=-1))
         return self._finite_row_sums[name]
 
     def estimator(self, name: str) -> torch.Tensor:
