@@ -1,5 +1,7 @@
 """The GPU check of the core: CUDA against CPU for every entry point, TF32 against the head passes, the sampler pass's
-speed at a real vocabulary. Needs only rollout-parity and torch; about 3 minutes on an H100 or H200 (at most 8).
+speed at a real vocabulary and the correction's overhead. Needs only rollout-parity and torch; sections 1-3 took 22 s
+on an H200 (2026-11-27), section 4 adds torch.compile's first compilations (70 s on this CPU at --small); at most 8
+minutes.
 
     python scripts/gpu_check.py                      # on a GPU: everything, at V = 151,936, H = 4,096
     python scripts/gpu_check.py --device cpu --small # here: the same code end to end, at small sizes
@@ -14,6 +16,8 @@ speed at a real vocabulary. Needs only rollout-parity and torch; about 3 minutes
    row's largest logit); and whether the caller's settings came back unchanged.
 3. **Speed and memory**: ``benchmarks/sampler_pass.py --device <device> --dtype bfloat16`` at N = 8,192,
    H = 4,096, V = 151,936 (the chunk chosen by the passes), with its RESULT line.
+4. **The correction's overhead**: ``benchmarks/correction_overhead.py --device <device>`` (B = 64, T = 4,096; eager and
+   ``compile_correction``), with its RESULT line.
 
 Every section prints ``GPU_CHECK <section> ...`` summary lines; the exit status is 1 if a parity row or the TF32
 bound fails.
@@ -138,6 +142,11 @@ def parity(device: torch.device, small: bool) -> bool:
         "compute_correction": (lambda d: compute_correction(cfg, old_logprobs=old.to(d), rollout_logprobs=rollout.to(d),
                                                             response_mask=mask.to(d), advantages=adv.to(d),
                                                             current_logprobs=current.to(d), with_metrics=True), 1e-6),
+        # compiled on the device (Inductor's Triton kernels) against eager on CPU; fused sums round in another order
+        "compute_correction, compile_correction": (
+            lambda d: compute_correction(cfg.replace(compile_correction=d.type != "cpu"), old_logprobs=old.to(d),
+                                         rollout_logprobs=rollout.to(d), response_mask=mask.to(d),
+                                         advantages=adv.to(d), current_logprobs=current.to(d)), (1e-6, 1e-4)),
         "policy_loss": (lambda d: policy_loss(cfg, current_logprobs=current.to(d), advantages=adv.to(d),
                                               old_logprobs=old.to(d), response_mask=mask.to(d),
                                               correction=compute_correction(cfg, old_logprobs=old.to(d),
@@ -177,7 +186,7 @@ def parity(device: torch.device, small: bool) -> bool:
         good = d <= tol and flips <= max(1, B * T // 1000)
         ok &= good
         worst, flipped = max(worst, d / tol), flipped + flips
-        print(f"  {name:<40} max |{device.type} - cpu|{' - 2^-7 |cpu|' if rel else ''} {d:.2e}  (tolerance {tol:.0e})"
+        print(f"  {name:<40} max |{device.type} - cpu|{f' - {rel:.3g} |cpu|' if rel else ''} {d:.2e}  (tolerance {tol:.0e})"
               f"{f', {flips} kept-set flips' if flips else ''}  {'ok' if good else 'FAILED'}")
     print(f"GPU_CHECK parity device={device.type} entry_points={len(cases)} all_within_tolerance={ok} "
           f"worst_diff_over_tolerance={worst:.2e} kept_set_flips={flipped}")
@@ -282,17 +291,20 @@ def tf32(device: torch.device, small: bool) -> bool:
 
 
 def bench(device: torch.device, small: bool, timeout: int) -> None:
-    sizes = ["--n", "512", "--hidden", "256", "--vocab", "8192", "--repeats", "2"] if small else \
+    sampler = ["--n", "512", "--hidden", "256", "--vocab", "8192", "--repeats", "2"] if small else \
         ["--n", "8192", "--hidden", "4096", "--vocab", "151936", "--repeats", "3"]
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "sampler_pass.py"), "--device", str(device),
-           "--dtype", "bfloat16", *sizes]
-    print(f"\n== 3. speed and memory: {' '.join(cmd[1:])}", flush=True)
-    t0 = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    print(run.stdout, run.stderr[-2000:] if run.returncode else "", sep="", end="")
-    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
-    print(f"GPU_CHECK bench device={device.type} seconds={time.perf_counter() - t0:.0f} returncode={run.returncode} "
-          f"{result[-1][len('RESULT '):] if result else 'no RESULT line'}")
+    correction = ["--batch", "8", "--tokens", "512", "--repeats", "5"] if small else []
+    for label, section, script, args in (
+            ("bench", "3. speed and memory", "sampler_pass.py", ["--dtype", "bfloat16", *sampler]),
+            ("correction", "4. the correction's overhead", "correction_overhead.py", correction)):
+        cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--device", str(device), *args]
+        print(f"\n== {section}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        print(run.stdout, run.stderr[-2000:] if run.returncode else "", sep="", end="")
+        result = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
+        print(f"GPU_CHECK {label} device={device.type} seconds={time.perf_counter() - t0:.0f} "
+              f"returncode={run.returncode} {result[-1][len('RESULT '):] if result else 'no RESULT line'}")
 
 
 def main(argv=None) -> int:
@@ -300,7 +312,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="small sizes (a CPU run of the whole script)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["parity", "tf32", "bench"])
-    ap.add_argument("--bench-timeout", type=int, default=300, help="seconds for section 3")
+    ap.add_argument("--bench-timeout", type=int, default=300, help="seconds for each of sections 3 and 4")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     t0 = time.perf_counter()
