@@ -24,6 +24,7 @@ Saved logs of runs on other machines (a GPU's: :data:`LOGS`, under docs/data/) a
     <!-- log:FILE:lines=A-B -->...<!-- /log -->           lines A to B (from 1), a text block
     <!-- log:FILE:line=N -->...<!-- /log -->              line N, as inline code (a table cell)
     <!-- log:FILE:value=PREFIX:KEY -->...<!-- /log -->    KEY's value in the first ``PREFIX ... KEY=value ...`` line
+    <!-- log:FILE:values=PREFIX:KEY -->...<!-- /log -->   its value in every such line (runs in a row), "a / b / c"
     <!-- log:FILE:command -->...<!-- /log -->            the command that wrote FILE, as inline code
 
 The table and the recommendation are re-derived with today's ``format_table`` / ``recommend`` /
@@ -239,14 +240,14 @@ def render_log(file: str, select: str, root: Path = ROOT) -> str:
         return _fence("\n".join(lines[int(first) - 1: int(last)]))
     if select.startswith("line="):
         return f"`{lines[int(select[len('line='):]) - 1].strip()}`"
-    if select.startswith("value="):
-        prefix, _, key = select[len("value="):].rpartition(":")
-        for line in lines:
-            if line.startswith(prefix):
-                hit = re.search(rf"(?:^|\s){re.escape(key)}=(\S+)", line)
-                if hit:
-                    return hit[1]
-        raise KeyError(f"log:{file}: no line starting {prefix!r} with {key}=")
+    if select.startswith(("value=", "values=")):
+        every = select.startswith("values=")
+        prefix, _, key = select.partition("=")[2].rpartition(":")
+        hits = [hit[1] for line in lines if line.startswith(prefix)
+                for hit in [re.search(rf"(?:^|\s){re.escape(key)}=(\S+)", line)] if hit]
+        if not hits:
+            raise KeyError(f"log:{file}: no line starting {prefix!r} with {key}=")
+        return " / ".join(hits) if every else hits[0]
     picked = [line for line in lines if line.startswith(select)]
     if not picked:
         raise KeyError(f"log:{file}: no line starts with {select!r}")

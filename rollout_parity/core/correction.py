@@ -383,8 +383,8 @@ def compiled_token_pass() -> Callable[..., tuple]:
     torch's automatic dynamic shapes: the first batch compiles for its exact shape, and the first batch of
     another shape once more with the dimension that changed left symbolic; later shapes reuse that graph.
     Frameworks change one dimension from step to step (TRL and NeMo RL the length, verl with dynamic batch
-    sizes the rows), and on CPU a graph with that one dimension symbolic ran as fast as an exact one, while
-    ``dynamic=True`` (both symbolic) ran slower than eager (benchmarks/correction_overhead.py). The flags are
+    sizes the rows), and on CPU a graph with that one dimension symbolic ran well under half the eager time,
+    ``dynamic=True`` (both symbolic) about 0.7x (benchmarks/correction_overhead.py). The flags are
     constants of the graph: a run with one configuration compiles per shape family only.
     """
     if not _COMPILED:

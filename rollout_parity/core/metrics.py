@@ -100,14 +100,13 @@ def correction_metric_values(
     # Token-level sums, each a 0-d tensor. log_ratio is 0 on padding, so r = 1 there: whole-tensor
     # sums minus the padding count are valid-token sums without a masking pass.
     ratio = stats.ratio
-    flat_ratio = ratio.reshape(-1)
     abs_lr = torch.abs(log_ratio, out=scratch)  # 0 on padding and >= 0 elsewhere: the plain max is the valid max
-    delta_abs, delta_abs_max = abs_lr.sum(), abs_lr.amax() if abs_lr.numel() else zero - math.inf
+    delta_abs, delta_abs_max = _total(abs_lr), _total(abs_lr, max=True) if abs_lr.numel() else zero - math.inf
     # Diagnostics only: the weight an IS correction would start from, r. Masked by a product, not
     # "whole sum minus padding count", which cancels every digit of tiny weights (ess of r = e^-20).
-    flat_w = (torch.mul(ratio, valid_f, out=scratch) if weights is None else weights).reshape(-1)
-    tokens = [torch.dot(flat_ratio, flat_ratio) - n_pad, delta_abs, stats.read_nonfinite_f.sum(),
-              zero if clipped is None else clipped.to(dtype), flat_w.sum(), torch.dot(flat_w, flat_w)]
+    w = torch.mul(ratio, valid_f, out=scratch) if weights is None else weights
+    tokens = [_total(ratio, squares=True) - n_pad, delta_abs, _total(stats.read_nonfinite_f),
+              zero if clipped is None else clipped.to(dtype), _total(w), _total(w, squares=True)]
 
     # One value per sequence: (B,) rows stacked, finished in float64 (a one-token sequence at logprob −90
     # has perplexity e^90, past fp32). Perplexities use each sequence's tokens where both logprobs are finite.
@@ -155,6 +154,20 @@ def correction_metric_values(
         neg_inf.expand(2))
     maxes = torch.cat([delta_abs_max.to(torch.float64).reshape(1), extrema])
     return torch.cat([sums, maxes])
+
+
+def _total(x: torch.Tensor, *, squares: bool = False, max: bool = False) -> torch.Tensor:
+    """The sum (of squares, or the maximum) of a ``(B, T)`` tensor as a 0-d tensor. Eager: one BLAS dot or flat
+    reduction. Under torch.compile: per row, then over rows, so Inductor fuses it into the loops over rows that the
+    row sums already run (a flat reduction is a loop of its own, one more pass over the batch)."""
+    if not torch.compiler.is_compiling():
+        if max:
+            return x.amax()
+        flat = x.reshape(-1)
+        return torch.dot(flat, flat) if squares else flat.sum()
+    if max:
+        return x.amax(dim=-1).amax()
+    return (x * x if squares else x).sum(dim=-1).sum()
 
 
 def reduce_metric_values(values: torch.Tensor, process_group: Any) -> torch.Tensor:
