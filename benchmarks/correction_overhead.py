@@ -87,12 +87,14 @@ def main() -> None:
         loss, _ = policy_loss(plain, current_logprobs=current, old_logprobs=old, advantages=adv, response_mask=mask)
         loss.backward()
 
-    def corrected():
-        current.grad = None
-        out = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
-                                 advantages=adv, current_logprobs=current)
-        loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
-        loss.backward()
+    def corrected_with(flags: CorrectionConfig):
+        def run():
+            current.grad = None
+            out = compute_correction(flags, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
+                                     advantages=adv, current_logprobs=current)
+            loss, _ = policy_loss(flags, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
+            loss.backward()
+        return run
 
     def correction_only(with_metrics: bool, flags: CorrectionConfig = cfg):
         def run():
@@ -101,21 +103,13 @@ def main() -> None:
         return run
 
     compiled = cfg.replace(compile_correction=True)
-
-    def corrected_compiled():
-        current.grad = None
-        out = compute_correction(compiled, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask,
-                                 advantages=adv, current_logprobs=current)
-        loss, _ = policy_loss(compiled, current_logprobs=current, old_logprobs=old, advantages=adv, correction=out)
-        loss.backward()
-
-    timed = {"loss": loss_only, "full": corrected, "correction": correction_only(True),
+    timed = {"loss": loss_only, "full": corrected_with(cfg), "correction": correction_only(True),
              "no_metrics": correction_only(False)}
     if not args.no_compile:
         short = make_batch(args.batch, args.tokens - 64, seed=1, device=args.device)
         compute_correction(compiled, old_logprobs=short[0], rollout_logprobs=short[1], response_mask=short[3],
                            advantages=short[4], current_logprobs=short[2])
-        timed.update(full_compiled=corrected_compiled, correction_compiled=correction_only(True, compiled))
+        timed.update(full_compiled=corrected_with(compiled), correction_compiled=correction_only(True, compiled))
         # What a run whose batch size and length both change gets: both dimensions symbolic.
         both_symbolic = torch.compile(correction_token_pass, dynamic=True)
         inputs = (old, rollout, mask, adv, current.detach())
