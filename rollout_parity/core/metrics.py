@@ -101,7 +101,7 @@ def correction_metric_values(
     # sums minus the padding count are valid-token sums without a masking pass.
     ratio = stats.ratio
     abs_lr = torch.abs(log_ratio, out=scratch)  # 0 on padding and >= 0 elsewhere: the plain max is the valid max
-    delta_abs, delta_abs_max = _total(abs_lr), _total(abs_lr, max=True) if abs_lr.numel() else zero - math.inf
+    delta_abs, delta_abs_max = _total(abs_lr), _total(abs_lr, largest=True) if abs_lr.numel() else zero - math.inf
     # Diagnostics only: the weight an IS correction would start from, r. Masked by a product, not
     # "whole sum minus padding count", which cancels every digit of tiny weights (ess of r = e^-20).
     w = torch.mul(ratio, valid_f, out=scratch) if weights is None else weights
@@ -156,16 +156,16 @@ def correction_metric_values(
     return torch.cat([sums, maxes])
 
 
-def _total(x: torch.Tensor, *, squares: bool = False, max: bool = False) -> torch.Tensor:
-    """The sum (of squares, or the maximum) of a ``(B, T)`` tensor as a 0-d tensor. Eager: one BLAS dot or flat
+def _total(x: torch.Tensor, *, squares: bool = False, largest: bool = False) -> torch.Tensor:
+    """The sum (of squares with ``squares``, or the maximum with ``largest``) of a ``(B, T)`` tensor as a 0-d tensor. Eager: one BLAS dot or flat
     reduction. Under torch.compile: per row, then over rows, so Inductor fuses it into the loops over rows that the
     row sums already run (a flat reduction is a loop of its own, one more pass over the batch)."""
     if not torch.compiler.is_compiling():
-        if max:
+        if largest:
             return x.amax()
         flat = x.reshape(-1)
         return torch.dot(flat, flat) if squares else flat.sum()
-    if max:
+    if largest:
         return x.amax(dim=-1).amax()
     return (x * x if squares else x).sum(dim=-1).sum()
 

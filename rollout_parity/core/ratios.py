@@ -52,7 +52,7 @@ def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
     return dtype
 
 
-# Under torch.compile (``compile_correction``) NaN tests are written as comparisons (x != x, x - x != 0): Inductor's
+# Under torch.compile (``compile_correction``) NaN tests are written as comparisons (x == x, x - x == 0): Inductor's
 # CPU code runs isnan one element at a time inside its vectorised loops, where a comparison stays vectorised. Eager
 # keeps torch's one-pass in-place nan_to_num.
 
