@@ -23,7 +23,10 @@ printed. The logits are shaped like a trained LM's, not random: ``--flat-share``
 sort's cost), ``--open-share`` spread their mass over 10-300 plausible tokens, ``--few-share`` over 2-5, and the rest
 are confident (one token holds nearly all; the doctor's built-in model keeps a single token at 72% of its top-p 0.9
 positions). How many rows the fast path settled by their top token alone, from the 32 largest probabilities, from
-1024, from the ascending end, and how many took vLLM's sorting path is printed.
+1024, from the ascending end, and how many took vLLM's sorting path is printed (the CPU path's stages). On CUDA,
+where Triton imports, the sampler-aware passes read each chunk with Triton kernels instead (``kernels=True`` in the
+RESULT line: the row kernel's log-sum-exp, then each open row's candidates, ``rollout_parity/kernels/``); the row
+"sampler-aware, top-p 0.9, torch passes" times the same pass with them off.
 
 Times are the minimum over ``--repeats`` interleaved runs: on CPU in process CPU time (``--clock wall`` switches), on
 a GPU in wall time between synchronisations. Memory is the peak allocated during a call beyond what was live before
@@ -46,6 +49,7 @@ import torch
 from rollout_parity.core.fp32_logprobs import chunked_fp32_logprobs
 from rollout_parity.core.head_matmul import chunk_rows, exact_fp32_matmul, head_matmul_path, tile_rows
 from rollout_parity.core.kept_set import CANDIDATES, kept_log_mass, settle_kept_sets
+from rollout_parity.core import sampler as sampler_module
 from rollout_parity.core.replay import KeptSets
 from rollout_parity.core.sampler import processed_logits, sampler_logprobs_from_hidden
 from rollout_parity.testing.memory import peak_extra_bytes
@@ -174,6 +178,14 @@ def main(argv=None) -> int:
     def recompute_k50():
         return sampler_logprobs_from_hidden(hidden, weight, ids, T, **replay_sampler, **chunk_kw)
 
+    def torch_passes():  # the same pass without its CUDA kernels (the path before them), for comparison
+        saved = sampler_module._row_kernels
+        sampler_module._row_kernels = lambda device, top_k: None
+        try:
+            return sampler()
+        finally:
+            sampler_module._row_kernels = saved
+
     gemm = path == "gemm_fp32_out"
     h_floor, w_floor = (hidden, weight) if gemm else (hidden.float(), weight.float())  # upcast outside the timing
     buf = torch.empty(c, V, dtype=torch.float32, device=device)
@@ -199,6 +211,9 @@ def main(argv=None) -> int:
              "matmul floor, chunked": matmul_chunked}
     if full_fits:
         timed["matmul floor, one product"] = matmul_full
+    kernels = sampler_module._row_kernels(device, None) is not None
+    if kernels:
+        timed["sampler-aware, top-p 0.9, torch passes"] = torch_passes
     with torch.no_grad():
         base = plain()
         out_s, out_r, out_k = sampler(), replay(), recompute_k50()
@@ -241,6 +256,8 @@ def main(argv=None) -> int:
           f"topk50_vs_plain={best['sampler-aware, top-k 50 top-p 0.9'] / plain_s:.3f} "
           f"plain_vs_matmul={plain_s / floor:.3f} sampler_vs_matmul={best['sampler-aware, top-p 0.9'] / floor:.3f} "
           f"mem_chunks={mem_chunks:.3f} mem_vs_bound={mem_vs_bound:.3f} sorted_rows={stages['sorted'] / n:.4f} "
+          + (f"torch_passes_vs_matmul={best['sampler-aware, top-p 0.9, torch passes'] / floor:.3f} " if kernels else "")
+          + f"kernels={kernels} "
           f"clock={clock} device={device.type} dtype={args.dtype} path={path} n={n} hidden={H} vocab={V} chunk={c}")
     return 0
 

@@ -136,7 +136,7 @@ def parity(device: torch.device, small: bool) -> bool:
 
     def from_hidden(d, dtype, **kw):
         return sampler_logprobs_from_hidden(hidden.to(d, dtype), weight.to(d, dtype), ids.to(d), bias=bias.to(d),
-                                            response_mask=mask.to(d), **sampling, **kw)
+                                            response_mask=mask.to(d), **dict(sampling, **kw))
 
     cases = {
         "compute_correction": (lambda d: compute_correction(cfg, old_logprobs=old.to(d), rollout_logprobs=rollout.to(d),
@@ -165,6 +165,8 @@ def parity(device: torch.device, small: bool) -> bool:
         "sampler_logprobs_from_hidden fp32": (lambda d: from_hidden(d, torch.float32), 1e-4),
         "sampler_logprobs_from_hidden bf16": (lambda d: from_hidden(d, torch.bfloat16), 1e-4),
         "sampler_logprobs_from_hidden replay": (lambda d: from_hidden(d, torch.bfloat16, kept_sets=sets), 1e-4),
+        # top-p alone: on CUDA the candidates' kernel covers the row by mass (above: by top-k)
+        "sampler_logprobs_from_hidden top-p": (lambda d: from_hidden(d, torch.bfloat16, top_k=None, min_p=0.0), 1e-4),
         "kept_mass_metrics": (lambda d: kept_mass_metrics((old - rollout).abs().to(d), mask.to(d),
                                                           outside_mask=(rollout < -2.9).to(d)), 1e-6),
         "rollout_on_full_vocabulary": (lambda d: rollout_on_full_vocabulary(rollout.to(d), old.to(d),

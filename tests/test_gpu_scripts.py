@@ -38,7 +38,7 @@ def test_a_bf16_gradient_one_rounding_step_apart_passes_only_with_the_bf16_slack
 def test_gpu_check_runs_end_to_end_on_cpu(capsys):
     assert gpu_check.main(["--device", "cpu", "--small", "--skip", "bench"]) == 0
     out = capsys.readouterr().out
-    assert "GPU_CHECK parity device=cpu entry_points=17 all_within_tolerance=True" in out
+    assert "GPU_CHECK parity device=cpu entry_points=18 all_within_tolerance=True" in out
     assert "exact_under_tf32=True settings_restored=True" in out
 
 

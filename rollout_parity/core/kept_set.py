@@ -25,6 +25,11 @@ ties, a flat row under top-k or min-p) takes the exact, sorting path (``processe
 V = 32768, 1024 rows): ``amax`` 0.016 s, ``topk(32)`` 0.09 s, a sort 2.7 s, the head's matmul at
 H = 1024 0.54-0.66 s; bool reductions over (rows, V) cost more than ``topk`` and were dropped. The sums differ from vLLM's float32 ascending cumsum only by rounding, so a
 kept set can differ from vLLM's only where the cumulative mass sits within ~1e-7 of the threshold.
+
+On CUDA the sampler pass finds each row's candidates with a Triton kernel instead of the stages above (every entry
+above the first of 32 thresholds that covers the filters, :mod:`rollout_parity.kernels.kept_candidates`) and hands
+them, sorted, to the same :func:`_on_candidates`; rows that do not settle there come back to
+:func:`settle_kept_sets`.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CANDIDATES", "kept_log_mass", "replayed_log_mass", "settle_kept_sets"]
+__all__ = ["CANDIDATES", "kept_log_mass", "replayed_log_mass", "replayed_log_mass_of", "settle_kept_sets"]
 
 #: Candidates per row of the first top-k stage (a top-k of ``k`` needs ``k + 1``).
 CANDIDATES = 32
@@ -183,11 +188,19 @@ def replayed_log_mass(lp: torch.Tensor, token_ids: torch.Tensor, rows: torch.Ten
     ``(rows, ids)`` lists every kept entry (row index, vocabulary id); ``recorded`` marks rows that have
     a set. Rows without one get ``log S = 0`` and membership False.
     """
-    n = lp.shape[0]
-    vals = lp[rows, ids].double()
-    peak = torch.full((n,), float("-inf"), dtype=torch.float64, device=lp.device)
+    return replayed_log_mass_of(lp[rows, ids], token_ids, rows, ids, recorded)
+
+
+def replayed_log_mass_of(vals: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                         recorded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`replayed_log_mass` from the kept entries' log-probabilities ``vals`` alone (``lp[rows, ids]``), for a
+    caller that never holds the whole row of log-probabilities; ``recorded`` has one entry per row."""
+    n = recorded.shape[0]
+    vals = vals.double()
+    peak = torch.full((n,), float("-inf"), dtype=torch.float64, device=vals.device)
     peak = peak.scatter_reduce(0, rows, vals, reduce="amax", include_self=True)
-    total = torch.zeros(n, dtype=torch.float64, device=lp.device).index_add_(0, rows, (vals - peak[rows]).exp())
+    total = torch.zeros(n, dtype=torch.float64, device=vals.device).index_add_(0, rows, (vals - peak[rows]).exp())
     log_s = torch.where(recorded, total.log() + peak, torch.zeros_like(total))
-    hit = torch.zeros(n, dtype=torch.float64, device=lp.device).index_add_(0, rows, (ids == token_ids[rows]).double())
+    hit = torch.zeros(n, dtype=torch.float64, device=vals.device).index_add_(0, rows,
+                                                                             (ids == token_ids[rows]).double())
     return log_s, hit > 0

@@ -70,6 +70,7 @@ engine's own set is an engine failure and stays -inf (the core's maximal mismatc
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -79,7 +80,7 @@ import torch
 from .distributed import all_reduce
 from .fp32_logprobs import _softmax_rows_
 from .head_matmul import HeadProjector, chunk_rows, exact_fp32_matmul
-from .kept_set import replayed_log_mass, settle_kept_sets
+from .kept_set import _limit, _on_candidates, replayed_log_mass, replayed_log_mass_of, settle_kept_sets
 from .ratios import check_shapes
 from .replay import KeptSets
 
@@ -417,7 +418,10 @@ def sampler_logprobs_from_hidden(
     and its processed logprob is ``log p_T(y) - log S`` with ``S`` the kept set's mass: the
     engine's set where ``kept_sets`` records one, else the recomputed set from the row's largest
     probabilities (:mod:`rollout_parity.core.kept_set`; rows it cannot settle take vLLM's sorting
-    path, :func:`processed_logits`), with the boundary rule unless ``keep_sampled=False``. No
+    path, :func:`processed_logits`), with the boundary rule unless ``keep_sampled=False``. On CUDA
+    (where Triton imports) Triton kernels read the raw logits instead of the in-place log-softmax and
+    ``topk``: the row kernel's log-sum-exp, then each open row's candidates
+    (:mod:`rollout_parity.kernels.kept_candidates`), filtered by the same float64 rule. No
     gradient: pi_old is a constant of the loss. ``benchmarks/sampler_pass.py`` times it against
     the plain chunked fp32 pass.
 
@@ -463,10 +467,18 @@ def sampler_logprobs_from_hidden(
     recorded = None if kept_sets is None else kept_sets.recorded.reshape(-1).to(hidden.device)
     # exact fp32 whatever the caller's TF32 settings; under a trainer's bf16 autocast it would silently run in bf16
     with exact_fp32_matmul(), torch.autocast(device_type=hidden.device.type, enabled=False):
-        head = HeadProjector(weight, bias, 1.0 if greedy else float(temperature), flat.dtype, torch.float32, rows)
+        t_eff = 1.0 if greedy else float(temperature)
+        head = HeadProjector(weight, bias, t_eff, flat.dtype, torch.float32, rows)
         buf = torch.empty(rows, vocab, dtype=torch.float32, device=hidden.device)
+        kernels = _row_kernels(hidden.device, top_k if truncates else None)
         for start in range(0, n, rows):
             stop = min(start + rows, n)
+            if kernels is not None:  # CUDA: the chunk's logits read by Triton kernels, no (rows, V) pass of torch's
+                z = head.logits_into(buf[: stop - start], flat[start:stop], divide=False)
+                full[start:stop], processed[start:stop], outside[start:stop] = _kernel_chunk(
+                    kernels, z, t_eff, ids[start:stop], top_k if truncates else None, top_p if truncates else 1.0,
+                    min_p if truncates else 0.0, keep_sampled, kept_sets, recorded, start, stop, rule)
+                continue
             lp = _softmax_rows_(head.logits_into(buf[: stop - start], flat[start:stop]), log=True)  # log p_T
             y = ids[start:stop]
             lp_y = lp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
@@ -529,6 +541,88 @@ def _processed_chunk(lp: torch.Tensor, y: torch.Tensor, lp_y: torch.Tensor, top_
         proc[hard] = _with_rule(lp_y64[hard], log_s, inside, keep_sampled)
         miss[hard] = ~inside
     return proc.float(), miss
+
+
+def _row_kernels(device: torch.device, top_k: Optional[int]):
+    """The CUDA pass's two Triton kernels, ``(row_logprob_entropy, kept_candidates)``, or None: off CUDA, without
+    Triton, or for a top-k the candidates' columns cannot hold (the torch passes then)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from ..kernels.kept_candidates import CAP, kept_candidates
+        from ..kernels.row_logsumexp import row_logprob_entropy
+    except ImportError:
+        return None
+    if top_k is not None and top_k >= CAP - 1:
+        return None
+    return row_logprob_entropy, kept_candidates
+
+
+def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor, top_k: Optional[int], top_p: float,
+                  min_p: float, keep_sampled: bool, kept_sets: Optional[KeptSets], recorded: Optional[torch.Tensor],
+                  start: int, stop: int, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full and processed logprobs of one chunk from its raw fp32 logits ``z`` (``h W^T + b``, not yet divided by
+    T), and where the recomputed set missed y: ``_processed_chunk``'s values without materialising the chunk's
+    log-probabilities and with one host synchronisation (two with replayed rows).
+
+    The row kernel reads the chunk once (log-sum-exp, the row's largest and the token's log-probability); the rows
+    that one token does not settle go to ``kept_candidates``, which writes each row's few entries that can be in the
+    kept set (:mod:`rollout_parity.kernels.kept_candidates`); those are sorted and filtered in float64 by
+    ``_on_candidates``, the CPU path's own rule. The rows it leaves open take ``_processed_chunk`` on their
+    log-probabilities ``div(z, T) - lse``, the same float operations as the kernels'."""
+    from ..kernels.kept_candidates import CAP
+
+    row_pass, candidates = kernels
+    rows, dev = z.shape[0], z.device
+    lp_y, lse, peak = (torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(3))
+    row_pass(z, y, temperature, lp_y, None, lse, peak)
+    miss = torch.zeros(rows, dtype=torch.bool, device=dev)
+    truncates = top_k is not None or top_p < 1.0 or min_p > 0.0
+    rec = recorded[start:stop] if recorded is not None else None
+    if rec is not None and not bool(rec.any()):
+        rec = None
+    if not truncates and rec is None:
+        return lp_y, lp_y, miss
+    temp = _float32_temperature(temperature, dev)
+    lp_y64 = lp_y.double()
+    proc = lp_y64.clone()
+    todo = torch.full((rows,), truncates, dtype=torch.bool, device=dev)
+    if rec is not None:
+        r, kept = kept_sets.flat_rows(start, stop)
+        r, kept = r.to(dev), kept.to(dev)
+        log_s, member = replayed_log_mass_of(z[r, kept].div(temp) - lse[r], y, r, kept, rec)
+        # a sampled token missing from the engine's own set is an engine failure: -inf (counted by the core)
+        proc = torch.where(rec, torch.where(member, lp_y64 - log_s, float("-inf")), proc)
+        todo &= ~rec
+    if truncates:
+        limit = _limit(top_p)
+        alone = torch.zeros_like(todo)
+        if top_p < 1.0 and (rule != "triton" or top_p > 0.5):  # as settle_kept_sets' first stage
+            alone = peak.double().exp() >= limit
+        cand = torch.full((rows, CAP), float("-inf"), dtype=torch.float32, device=dev)
+        count = torch.empty(rows, dtype=torch.int32, device=dev)
+        alone_p = top_p < 1.0 and top_k is None and min_p <= 0.0
+        candidates(z, temperature, lse, peak, todo & ~alone, cand, count,
+                   need_mass=limit + 1e-4 if alone_p else float("inf"),
+                   need_count=top_k if top_k is not None else 2 ** 31 - 1,
+                   minp_log=math.log(min_p) - 1e-3 if min_p > 0.0 else float("-inf"))
+        log_s, smallest, settled = _on_candidates(cand.sort(dim=-1, descending=True).values, top_k, top_p, min_p,
+                                                  whole=False, rule=rule)
+        log_s = torch.where(alone, peak.double(), log_s)
+        smallest = torch.where(alone, peak, smallest)
+        settled = alone | settled  # a row the kernel did not narrow is all -inf: never settled
+        inside = lp_y64 >= smallest.double()
+        done = todo & settled
+        proc = torch.where(done, _with_rule(lp_y64, log_s, inside, keep_sampled), proc)
+        miss = done & ~inside
+        hard = todo & ~settled
+        if bool(hard.any()):
+            h = hard.nonzero().squeeze(-1)
+            lp = z[h].div(temp) - lse[h].unsqueeze(-1)
+            p_h, m_h = _processed_chunk(lp, y[h], lp_y[h], top_k, top_p, min_p, keep_sampled, None, None, 0,
+                                        h.numel(), rule)
+            proc[h], miss[h] = p_h.double(), m_h
+    return lp_y, proc.float(), miss
 
 
 def _with_rule(lp_y: torch.Tensor, log_s: torch.Tensor, inside: torch.Tensor, keep_sampled: bool) -> torch.Tensor:

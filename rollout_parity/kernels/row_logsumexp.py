@@ -33,8 +33,8 @@ BLOCK = 4096
 
 
 @triton.jit
-def _row_logprob_entropy_kernel(z_ptr, row_stride, ids_ptr, logp_ptr, ent_ptr, V, T,
-                                WANT_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+def _row_logprob_entropy_kernel(z_ptr, row_stride, ids_ptr, logp_ptr, ent_ptr, lse_ptr, peak_ptr, V, T,
+                                WANT_ENTROPY: tl.constexpr, WANT_LSE: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     base = z_ptr + row.to(tl.int64) * row_stride
     m = tl.full((), float("-inf"), tl.float32)
@@ -58,13 +58,21 @@ def _row_logprob_entropy_kernel(z_ptr, row_stride, ids_ptr, logp_ptr, ent_ptr, V
     tl.store(logp_ptr + row, xt - lse)
     if WANT_ENTROPY:
         tl.store(ent_ptr + row, lse - sx / s)
+    if WANT_LSE:
+        tl.store(lse_ptr + row, lse)
+        tl.store(peak_ptr + row, m - lse)
 
 
 def row_logprob_entropy(z: torch.Tensor, token_ids: torch.Tensor, temperature: float, logp_out: torch.Tensor,
-                        ent_out: Optional[torch.Tensor] = None) -> None:
+                        ent_out: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None,
+                        peak_out: Optional[torch.Tensor] = None) -> None:
     """``logp_out[i]`` <- log softmax(z_i / T)[y_i] and ``ent_out[i]`` <- the entropy of softmax(z_i / T), for the
     fp32 logits ``z`` (rows, V) with unit stride along V, ``token_ids`` (rows,) in [0, V) (not checked here: the
-    caller validated them), outputs fp32 of ``rows`` entries. ``z`` is only read."""
+    caller validated them), outputs fp32 of ``rows`` entries. ``z`` is only read.
+
+    ``lse_out`` and ``peak_out`` (both or neither): ``lse_i`` and the row's largest log-probability ``m_i - lse_i``,
+    for a caller that reads the log-probabilities ``div_rn(z, T) - lse`` again (the kept set's search,
+    :mod:`rollout_parity.kernels.kept_candidates`): the same float operations, so the same values as ``logp_out``."""
     if z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1:
         raise ValueError(f"z must be a 2-D float32 tensor contiguous along the vocabulary, got {z.dtype} "
                          f"{tuple(z.shape)} strides {z.stride()}")
@@ -72,8 +80,12 @@ def row_logprob_entropy(z: torch.Tensor, token_ids: torch.Tensor, temperature: f
     if rows == 0:
         return
     want = ent_out is not None
+    if (lse_out is None) != (peak_out is None):
+        raise ValueError("pass lse_out and peak_out together")
+    want_lse = lse_out is not None
     # Triton launches on the current CUDA device: make it the logits' one (a rank whose tensors sit on another)
     with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
         _row_logprob_entropy_kernel[(rows,)](
-            z, z.stride(0), token_ids, logp_out, ent_out if want else logp_out, vocab, float(temperature),
-            WANT_ENTROPY=want, BLOCK_V=BLOCK, num_warps=8)
+            z, z.stride(0), token_ids, logp_out, ent_out if want else logp_out, lse_out if want_lse else logp_out,
+            peak_out if want_lse else logp_out, vocab, float(temperature),
+            WANT_ENTROPY=want, WANT_LSE=want_lse, BLOCK_V=BLOCK, num_warps=8)
