@@ -132,6 +132,27 @@ SCRIPT = textwrap.dedent('''
                 same_outside=bool(torch.equal(a.outside_mask, k.outside_mask)), outside=int(k.num_outside),
                 kernel_hard_rows=res["kernel"][1], kernel_open_rows=sum(opened)))
     report["pass"] = rows_out
+
+    # 3. host reads (a GPU's syncs) of the pass, the kernels' own interpreted reads set aside
+    from rollout_parity.testing.host_sync import host_syncs
+    sampler._processed_chunk = real
+    reads = {}
+    for label, kernels in (("torch", None), ("kernel", (row_logprob_entropy, kept_candidates))):
+        sampler._row_kernels = lambda device, top_k, k=kernels: k
+        for name, st in (("top_k50_top_p", dict(top_k=50, top_p=0.9)), ("replay", dict(top_k=20, kept_sets=kept_sets.rows(0, 20)))):
+            with host_syncs() as counts:
+                inside = [0]
+                if kernels is not None:
+                    def timed(kernel):
+                        def run(*args, **kwargs):
+                            before = sum(counts.values())
+                            kernel(*args, **kwargs)
+                            inside[0] += sum(counts.values()) - before
+                        return run
+                    sampler._row_kernels = lambda device, top_k, k=kernels: tuple(timed(x) for x in k)
+                sampler.sampler_logprobs_from_hidden(h[:20], w, ids[:20], bias=b, chunk_size=10, temperature=T, **st)
+            reads[f"{label} {name}"] = sum(counts.values()) - inside[0]
+    report["reads"] = reads
     print("REPORT " + json.dumps(report))
 ''')
 
@@ -194,6 +215,19 @@ def test_the_pass_takes_the_kernels_on_cuda_only_and_for_a_top_k_their_columns_h
     assert [k.__name__ for k in kernels] == ["row_logprob_entropy", "kept_candidates"]
     assert _row_kernels(torch.device("cuda"), CAP - 2) is not None
     assert _row_kernels(torch.device("cuda"), CAP - 1) is None  # k + 1 candidates would not fit
+
+
+def test_the_pass_through_the_kernels_reads_back_once_per_chunk(report):
+    """Host reads on CPU (``rollout_parity.testing.host_sync``), a proxy for a GPU's syncs: two chunks of ten
+    rows, every row settled by the kernels. Three reads per call (the token ids' range, min and max, and the count
+    of tokens outside the kept set) and one per chunk (whether a row needs the sorting path). A chunk with replayed
+    rows reads once more (whether it has any), and three times the kept sets' offsets, which live on the host
+    (``KeptSets``: no device sync, but the proxy cannot tell a host tensor from a device one)."""
+    reads = report["reads"]
+    assert reads["kernel top_k50_top_p"] == 3 + 2, reads
+    assert reads["kernel replay"] == 3 + 2 * (2 + 3), reads
+    # the torch passes (the CPU path, and CUDA's before the kernels): 47 and 29 reads, per-row bookkeeping
+    assert reads["torch top_k50_top_p"] > 5 * reads["kernel top_k50_top_p"], reads
 
 
 def test_the_candidates_kernel_reads_only_the_rows_still_open(report):

@@ -34,6 +34,7 @@ them, sorted, to the same :func:`_on_candidates`; rows that do not settle there 
 
 from __future__ import annotations
 
+import struct
 from typing import Optional
 
 import torch
@@ -45,9 +46,19 @@ CANDIDATES = 32
 _WIDE = 1024  # candidates of the second top-k stage
 
 
+def _float32(x: float) -> float:
+    """``x`` rounded to the nearest float32, in Python (a torch scalar read back would count as a host read)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _one_minus_top_p(top_p: float) -> float:
+    """``1 - top_p`` as vLLM forms it in float32 (both float32 numbers; their difference is exact in a double)."""
+    return _float32(1.0 - _float32(top_p))
+
+
 def _limit(top_p: float) -> float:
     """vLLM drops a position when its float32 cumsum <= 1 - top_p (formed in float32): keep above < this."""
-    return 1.0 - float(torch.tensor(1.0, dtype=torch.float32) - torch.tensor(top_p, dtype=torch.float32))
+    return 1.0 - _one_minus_top_p(top_p)
 
 
 def _on_candidates(vals: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float, whole: bool,
@@ -102,7 +113,7 @@ def _low_tail(lp: torch.Tensor, top_p: float, steps: int = 10) -> tuple[torch.Te
     """Top-p alone on nearly flat rows, from the ascending end as vLLM walks it: it drops the smallest
     tokens whose cumulative mass stays ``<= 1 - top_p``. A bisection on the log-probability finds a
     narrow band where that cut lies (``steps`` masked sums over the rows), and only the band is sorted."""
-    limit = float(torch.tensor(1.0, dtype=torch.float32) - torch.tensor(top_p, dtype=torch.float32))
+    limit = _one_minus_top_p(top_p)
     p32 = lp.exp()
     lo, hi = lp.amin(-1) - 1e-6, lp.amax(-1)
     for _ in range(steps):  # float32 sums only place the band; the cut itself is summed in float64 below
