@@ -34,8 +34,9 @@ __all__ = ["CAP", "GAP0", "LEVELS", "RATIO", "kept_candidates"]
 #: Columns of the candidates' output per row (a row keeps at most ``CAP - 1`` candidates: the last column stays
 #: -inf, which tells ``_on_candidates`` that nothing beyond them survives).
 CAP = 256
-#: Vocabulary entries a program reads per step (times ``LEVELS`` comparisons held at once).
-BLOCK = 256
+#: Vocabulary entries a program reads per step while it counts (times ``LEVELS`` partial sums held per lane) and
+#: while it writes the candidates.
+BLOCK_COUNT, BLOCK_WRITE = 128, 1024
 #: The thresholds' distances below the row's largest log-probability, in nats: ``GAP0 * RATIO**j`` for j < 32,
 #: from 0.25 to 33 (e^-33 ~ 5e-15: below that, an entry's mass does not move a float32 sum of the rest). The
 #: kernel computes them itself (a table copied to the device per call would wait for the host).
@@ -45,7 +46,8 @@ GAP0, RATIO, LEVELS = 0.25, 132.0 ** (1 / 31), 32
 @triton.jit
 def _kept_candidates_kernel(z_ptr, row_stride, lse_ptr, peak_ptr, open_ptr, out_ptr, count_ptr, V, T,
                             need_mass, need_count, minp_log, CAP: tl.constexpr, J: tl.constexpr,
-                            GAP0: tl.constexpr, LOG_RATIO: tl.constexpr, BLOCK_V: tl.constexpr):
+                            GAP0: tl.constexpr, LOG_RATIO: tl.constexpr, BLOCK_COUNT: tl.constexpr,
+                            BLOCK_WRITE: tl.constexpr):
     row = tl.program_id(0)
     if tl.load(open_ptr + row) != 0:
         base = z_ptr + row.to(tl.int64) * row_stride
@@ -53,29 +55,32 @@ def _kept_candidates_kernel(z_ptr, row_stride, lse_ptr, peak_ptr, open_ptr, out_
         peak = tl.load(peak_ptr + row)
         j = tl.arange(0, J)
         t = peak - GAP0 * tl.exp(j.to(tl.float32) * LOG_RATIO)
-        cnt = tl.zeros((J,), tl.int32)
-        mass = tl.zeros((J,), tl.float32)
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
+        # per-lane partial counts and masses, reduced once after the loop (no cross-lane reduction per step)
+        cnt = tl.zeros((J, BLOCK_COUNT), tl.int32)
+        mass = tl.zeros((J, BLOCK_COUNT), tl.float32)
+        for start in range(0, V, BLOCK_COUNT):
+            offs = start + tl.arange(0, BLOCK_COUNT)
             lp = tl.math.div_rn(tl.load(base + offs, mask=offs < V, other=float("-inf")), T) - lse
             ge = lp[None, :] >= t[:, None]  # a padded -inf is below every finite threshold
-            cnt += tl.sum(ge.to(tl.int32), 1)
-            mass += tl.sum(tl.where(ge, tl.exp(lp)[None, :], 0.0), 1)
-        cover = (mass >= need_mass) | (cnt >= need_count) | (t <= peak + minp_log)
+            cnt += ge.to(tl.int32)
+            mass += tl.where(ge, tl.exp(lp)[None, :], 0.0)
+        n_at = tl.sum(cnt, 1)
+        cover = (tl.sum(mass, 1) >= need_mass) | (n_at >= need_count) | (t <= peak + minp_log)
         first = tl.min(tl.where(cover, j, J), 0)
-        n_first = tl.sum(tl.where(j == first, cnt, 0), 0)
+        n_first = tl.sum(tl.where(j == first, n_at, 0), 0)
         t_first = tl.sum(tl.where(j == first, t, 0.0), 0)
         found = (first < J) & (n_first < CAP)
         tl.store(count_ptr + row, tl.where(found, n_first, -1))
         if found:
             pos = tl.zeros((), tl.int32)
-            for start in range(0, V, BLOCK_V):
-                offs = start + tl.arange(0, BLOCK_V)
+            for start in range(0, V, BLOCK_WRITE):
+                offs = start + tl.arange(0, BLOCK_WRITE)
                 lp = tl.math.div_rn(tl.load(base + offs, mask=offs < V, other=float("-inf")), T) - lse
-                sel = lp >= t_first
-                at = pos + tl.cumsum(sel.to(tl.int32), 0) - 1
-                tl.store(out_ptr + row.to(tl.int64) * CAP + at, lp, mask=sel)
-                pos += tl.sum(sel.to(tl.int32), 0)
+                if tl.max(lp, 0) >= t_first:  # most blocks hold no candidate: no scan for them
+                    sel = lp >= t_first
+                    at = pos + tl.cumsum(sel.to(tl.int32), 0) - 1
+                    tl.store(out_ptr + row.to(tl.int64) * CAP + at, lp, mask=sel)
+                    pos += tl.sum(sel.to(tl.int32), 0)
     else:
         tl.store(count_ptr + row, -1)
 
@@ -110,4 +115,4 @@ def kept_candidates(z: torch.Tensor, temperature: float, lse: torch.Tensor, peak
         _kept_candidates_kernel[(rows,)](
             z, z.stride(0), lse, peak, open_rows.to(torch.int8), out, count_out, vocab, float(temperature),
             float(need_mass), need_count, float(minp_log), CAP=CAP, J=LEVELS, GAP0=GAP0, LOG_RATIO=math.log(RATIO),
-            BLOCK_V=BLOCK, num_warps=8)
+            BLOCK_COUNT=BLOCK_COUNT, BLOCK_WRITE=BLOCK_WRITE, num_warps=8)
