@@ -67,6 +67,9 @@ LOGS: dict[str, str] = {
     "gpu/head_pass_profile_h200.log": "python scripts/gpu_head_pass_profile.py",
     # three runs back to back on the 2-core CPU machine, nothing else running (2026-11-27)
     "cpu/correction_overhead.log": "for i in 1 2 3; do python benchmarks/correction_overhead.py --repeats 100; done",
+    # the CUDA kernels compiled for GPU targets by five Triton releases, each first on PYTHONPATH (no GPU needed)
+    "cpu/kernel_compile.log": "for v in 3.3.1 3.4.0 3.5.1 3.6.0 3.9.0; do PYTHONPATH=<triton==$v>:. "
+                              "python scripts/compile_kernels.py; done",
 }
 
 LOG_MARKER = re.compile(r"<!-- log:(?P<file>[^: ]+):(?P<select>[^>]*?) -->(?P<body>.*?)<!-- /log -->", re.DOTALL)
