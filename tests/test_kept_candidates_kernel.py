@@ -139,7 +139,8 @@ SCRIPT = textwrap.dedent('''
     reads = {}
     for label, kernels in (("torch", None), ("kernel", (row_logprob_entropy, kept_candidates))):
         sampler._row_kernels = lambda device, top_k, k=kernels: k
-        for name, st in (("top_k50_top_p", dict(top_k=50, top_p=0.9)), ("replay", dict(top_k=20, kept_sets=kept_sets.rows(0, 20)))):
+        for name, st in (("top_k50_top_p", dict(top_k=50, top_p=0.9)),
+                         ("replay", dict(top_k=20, kept_sets=kept_sets.rows(0, 20)))):
             with host_syncs() as counts:
                 inside = [0]
                 if kernels is not None:
@@ -246,3 +247,24 @@ def test_the_candidates_kernel_reads_only_the_rows_still_open(report):
     # under vLLM's Triton rule two maxima tied at >= top_p can exist when top_p <= 0.5: no row is settled alone
     assert opened("pytorch", top_p=0.4, keep_sampled=False) < rows
     assert opened("triton", top_p=0.4, keep_sampled=False) == rows
+
+
+def test_the_kernels_refuse_buffers_they_cannot_write_before_launching():
+    import torch
+
+    from rollout_parity.kernels.kept_candidates import CAP, kept_candidates
+    from rollout_parity.kernels.row_logsumexp import row_logprob_entropy
+
+    z, ids, rows = torch.zeros(3, 50), torch.zeros(3, dtype=torch.long), torch.zeros(3)
+    with pytest.raises(ValueError, match="lse_out and peak_out together"):
+        row_logprob_entropy(z, ids, 1.0, rows.clone(), None, rows.clone())
+    good = dict(out=torch.zeros(3, CAP), count_out=torch.zeros(3, dtype=torch.int32))
+    cover = dict(need_mass=0.9, need_count=10, minp_log=-1.0)
+    for bad, match in ((dict(out=torch.zeros(3, CAP - 1)), "out must be a contiguous float32"),
+                       (dict(out=torch.zeros(CAP, 3).t()), "out must be a contiguous float32"),
+                       (dict(count_out=torch.zeros(3, dtype=torch.int64)), "count_out must be int32"),
+                       (dict(z=z.double()), "z must be a 2-D float32")):
+        args = {**good, "z": z, **bad}
+        with pytest.raises(ValueError, match=match):
+            kept_candidates(args["z"], 1.0, rows, rows, torch.ones(3, dtype=torch.bool), args["out"],
+                            args["count_out"], **cover)

@@ -90,8 +90,8 @@ def kept_candidates(z: torch.Tensor, temperature: float, lse: torch.Tensor, peak
                     need_count: int, minp_log: float) -> None:
     """``out[i]`` <- the entries ``>= t_i`` of row ``i`` of ``div_rn(z, T) - lse`` (unordered, the rest of the row
     of ``out`` untouched) and ``count_out[i]`` <- how many, for each row with ``open_rows[i]``; ``t_i`` is the first
-    threshold ``peak_i - GAP0 * RATIO**j`` whose mass reaches ``need_mass`` or whose count reaches ``need_count`` or that
-    lies at or below ``peak_i + minp_log`` (pass ``inf``, a count above V, ``-inf`` to leave a test out).
+    threshold ``peak_i - GAP0 * RATIO**j`` whose mass reaches ``need_mass`` or whose count reaches ``need_count``
+    or that lies at or below ``peak_i + minp_log`` (pass ``inf``, a count above V, ``-inf`` to leave a test out).
     ``count_out[i]`` is -1 where no threshold covers the row, where the covering one holds ``CAP`` entries or more,
     and where the row is not open.
 
