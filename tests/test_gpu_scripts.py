@@ -6,18 +6,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 
 from tests.docs_text import ROOT
+from tests.script_loader import load_script
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts" / f"{name}.py", name)
 
 
 gpu_check = _load("gpu_check")

