@@ -257,13 +257,19 @@ def render_log(file: str, select: str, root: Path = ROOT) -> str:
     return _fence("\n".join(picked))
 
 
+def _kinds(root: Path, cache: dict[str, Any]) -> tuple:
+    """Per kind of marked part: its marker, its opening comment's spec, what it renders, where that comes from."""
+    return ((MARKER, lambda m: f"doctor:{m['spec']}", lambda m: render_spec(m["spec"], root, cache), "the saved run"),
+            (LOG_MARKER, lambda m: f"log:{m['file']}:{m['select']}",
+             lambda m: render_log(m["file"], m["select"], root), "the saved log"))
+
+
 def render_text(text: str, root: Path = ROOT, cache: dict[str, Any] | None = None) -> str:
     """``text`` with every marked part re-rendered."""
     cache = {} if cache is None else cache
-    text = MARKER.sub(lambda m: f"<!-- doctor:{m['spec']} -->{render_spec(m['spec'], root, cache)}<!-- /doctor -->",
-                      text)
-    return LOG_MARKER.sub(lambda m: f"<!-- log:{m['file']}:{m['select']} -->{render_log(m['file'], m['select'], root)}"
-                                    "<!-- /log -->", text)
+    for marker, spec, render, _ in _kinds(root, cache):
+        text = marker.sub(lambda m: f"<!-- {spec(m)} -->{render(m)}<!-- /{spec(m).split(':')[0]} -->", text)
+    return text
 
 
 def drifted(root: Path = ROOT) -> list[str]:
@@ -272,18 +278,13 @@ def drifted(root: Path = ROOT) -> list[str]:
     out = []
     for path in doc_files(root):
         text = path.read_text()
-        for m in MARKER.finditer(text):
-            want = render_spec(m["spec"], root, cache)
-            if m["body"] != want:
-                line = text.count("\n", 0, m.start()) + 1
-                out.append(f"{path.relative_to(root)}:{line}: doctor:{m['spec']} quotes {m['body'].strip()[:60]!r}, "
-                           f"the saved run gives {want.strip()[:60]!r}")
-        for m in LOG_MARKER.finditer(text):
-            want = render_log(m["file"], m["select"], root)
-            if m["body"] != want:
-                line = text.count("\n", 0, m.start()) + 1
-                out.append(f"{path.relative_to(root)}:{line}: log:{m['file']}:{m['select']} quotes "
-                           f"{m['body'].strip()[:60]!r}, the saved log gives {want.strip()[:60]!r}")
+        for marker, spec, render, source in _kinds(root, cache):
+            for m in marker.finditer(text):
+                want = render(m)
+                if m["body"] != want:
+                    line = text.count("\n", 0, m.start()) + 1
+                    out.append(f"{path.relative_to(root)}:{line}: {spec(m)} quotes {m['body'].strip()[:60]!r}, "
+                               f"{source} gives {want.strip()[:60]!r}")
     return out
 
 

@@ -57,6 +57,9 @@ def test_a_drifted_figure_is_caught(tmp_path):
     (tmp_path / "README.md").write_text(readme[: m.start("body")] + changed + readme[m.end("body"):])
     drift = render_docs.drifted(tmp_path)
     assert len(drift) == 1 and drift[0].startswith("README.md:") and "default:table" in drift[0]
+    assert "quotes" in drift[0] and "the saved run gives" in drift[0]
+    # rendering puts the saved run's figure back, and nothing else moves
+    assert render_docs.render_text((tmp_path / "README.md").read_text(), tmp_path) == readme
 
 
 def _doctor_options(command: str) -> dict:
@@ -148,6 +151,8 @@ def test_a_drifted_log_figure_is_caught(tmp_path):
     page.write_text(text[: m.start("body")] + body + text[m.end("body"):])
     drift = render_docs.drifted(tmp_path)
     assert len(drift) == 1 and drift[0].startswith("docs/fp32_and_sampler.md:") and "log:gpu/gpu_check_h200.log" in drift[0]
+    assert "the saved log gives" in drift[0]
+    assert render_docs.render_text(page.read_text(), tmp_path) == text  # the log's line put back
 
 
 def test_the_docs_call_the_gpu_speed_goal_met_only_where_the_log_meets_it():
