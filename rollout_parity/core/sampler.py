@@ -563,7 +563,8 @@ def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor,
                   start: int, stop: int, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full and processed logprobs of one chunk from its raw fp32 logits ``z`` (``h W^T + b``, not yet divided by
     T), and where the recomputed set missed y: ``_processed_chunk``'s values without materialising the chunk's
-    log-probabilities and with one host synchronisation (two with replayed rows).
+    log-probabilities and with one host synchronisation (with replayed rows, also whether the chunk has any and
+    the copy of its kept sets, which live on the host, to the device).
 
     The row kernel reads the chunk once (log-sum-exp, the row's largest and the token's log-probability); the rows
     that one token does not settle go to ``kept_candidates``, which writes each row's few entries that can be in the
