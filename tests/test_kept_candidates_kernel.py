@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent('''
     scale = torch.cat([torch.full((8,), 12.0), torch.full((8,), 4.0), torch.full((8,), 0.3)])  # peaked, LM, flat
     h = torch.randn(N, H, generator=g) * scale[:, None]
     logits = h @ w.T + b
-    ids = torch.distributions.Categorical(logits=logits / T).sample()
+    ids = torch.multinomial((logits / T).softmax(-1), 1, generator=g).squeeze(-1)
     ids[::5] = 3
     report = {}
 
@@ -184,8 +184,8 @@ def test_candidates_are_every_entry_above_the_first_covering_threshold(report, c
 
 def test_the_pass_through_the_kernels_equals_the_torch_path(report):
     for row in report["pass"]:
-        # Triton's exp/log against torch's log-softmax of the same logits: ~1e-6 at |logprob| ~ 10 (measured
-        # 7.6e-6 at V = 5,000; test_row_kernel's bound 2e-5)
+        # Triton's exp/log against torch's log-softmax of the same logits: measured 3.8e-6 on these deterministic
+        # inputs (5x under the bound; 7.6e-6 at V = 5,000), the bound of test_row_kernel.py
         assert row["full"] < 2e-5, row
         assert row["processed"] < 2e-5, row
         assert row["same_finite"] and row["same_outside"], row
