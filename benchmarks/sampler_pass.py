@@ -26,7 +26,7 @@ positions). How many rows the fast path settled by their top token alone, from t
 1024, from the ascending end, and how many took vLLM's sorting path is printed (the CPU path's stages). On CUDA,
 where Triton imports, the sampler-aware passes read each chunk with Triton kernels instead (``kernels=True`` in the
 RESULT line: the row kernel's log-sum-exp, then each open row's candidates, ``rollout_parity/kernels/``); the row
-"sampler-aware, top-p 0.9, torch passes" times the same pass with them off.
+"sampler-aware, top-p 0.9, no kernels" times the same pass with them off.
 
 Times are the minimum over ``--repeats`` interleaved runs: on CPU in process CPU time (``--clock wall`` switches), on
 a GPU in wall time between synchronisations. Memory is the peak allocated during a call beyond what was live before
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         timed["matmul floor, one product"] = matmul_full
     kernels = sampler_module._row_kernels(device, None) is not None
     if kernels:
-        timed["sampler-aware, top-p 0.9, torch passes"] = torch_passes
+        timed["sampler-aware, top-p 0.9, no kernels"] = torch_passes
     with torch.no_grad():
         base = plain()
         out_s, out_r, out_k = sampler(), replay(), recompute_k50()
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
           f"topk50_vs_plain={best['sampler-aware, top-k 50 top-p 0.9'] / plain_s:.3f} "
           f"plain_vs_matmul={plain_s / floor:.3f} sampler_vs_matmul={best['sampler-aware, top-p 0.9'] / floor:.3f} "
           f"mem_chunks={mem_chunks:.3f} mem_vs_bound={mem_vs_bound:.3f} sorted_rows={stages['sorted'] / n:.4f} "
-          + (f"torch_passes_vs_matmul={best['sampler-aware, top-p 0.9, torch passes'] / floor:.3f} " if kernels else "")
+          + (f"torch_passes_vs_matmul={best['sampler-aware, top-p 0.9, no kernels'] / floor:.3f} " if kernels else "")
           + f"kernels={kernels} "
           f"clock={clock} device={device.type} dtype={args.dtype} path={path} n={n} hidden={H} vocab={V} chunk={c}")
     return 0
