@@ -39,6 +39,30 @@ def test_gpu_check_runs_end_to_end_on_cpu(capsys):
     assert "exact_under_tf32=True settings_restored=True" in out
 
 
+def test_a_path_that_fails_on_the_device_is_named_and_the_rest_still_runs(monkeypatch, capsys):
+    """A GPU run is scarce: a row or a section that raises there (a kernel that does not launch) must not take the
+    rest of the script down. Here one parity row's device call (processed_logits' second call) raises, and the
+    TF32 section's float64 reference, as a device's call would."""
+    gpu_check = _load("gpu_check")
+    for name, failing_call in (("processed_logits", 2), ("_fp64_logprobs", 1)):
+        real, calls = getattr(gpu_check, name), []
+
+        def failing(*args, _real=real, _calls=calls, _at=failing_call, **kwargs):
+            _calls.append(1)
+            if len(_calls) == _at:
+                raise RuntimeError("no kernel image is available for execution on the device")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(gpu_check, name, failing)
+    assert gpu_check.main(["--device", "cpu", "--small", "--skip", "bench"]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("processed_logits"))
+    assert "FAILED  error RuntimeError: no kernel image" in row
+    assert "GPU_CHECK parity device=cpu entry_points=18 all_within_tolerance=False" in out  # every other row ran
+    assert "GPU_CHECK tf32 device=cpu error=RuntimeError" in out
+    assert "GPU_CHECK done" in out and out.rstrip().endswith("ok=False")
+
+
 def test_the_head_pass_profile_runs_on_cpu_and_names_the_steps_cpu_cannot_run(capsys):
     assert _load("gpu_head_pass_profile").main(["--device", "cpu", "--small"]) == 0
     out = capsys.readouterr().out
