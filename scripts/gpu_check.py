@@ -20,7 +20,8 @@ minutes.
    ``compile_correction``), with its RESULT line.
 
 Every section prints ``GPU_CHECK <section> ...`` summary lines; the exit status is 1 if a parity row or the TF32
-bound fails.
+bound fails. A row or a section that raises on the device is named with its error (and fails the run); the rest
+still runs.
 """
 
 from __future__ import annotations
