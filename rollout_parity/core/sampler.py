@@ -471,13 +471,14 @@ def sampler_logprobs_from_hidden(
         head = HeadProjector(weight, bias, t_eff, flat.dtype, torch.float32, rows)
         buf = torch.empty(rows, vocab, dtype=torch.float32, device=hidden.device)
         kernels = _row_kernels(hidden.device, top_k if truncates else None)
+        replay = None if kernels is None or kept_sets is None else _ChunkedKeptSets(kept_sets, rows, n, hidden.device)
         for start in range(0, n, rows):
             stop = min(start + rows, n)
             if kernels is not None:  # CUDA: the chunk's logits read by Triton kernels, no (rows, V) pass of torch's
                 z = head.logits_into(buf[: stop - start], flat[start:stop], divide=False)
                 full[start:stop], processed[start:stop], outside[start:stop] = _kernel_chunk(
                     kernels, z, t_eff, ids[start:stop], top_k if truncates else None, top_p if truncates else 1.0,
-                    min_p if truncates else 0.0, keep_sampled, kept_sets, recorded, start, stop, rule)
+                    min_p if truncates else 0.0, keep_sampled, replay, recorded, start, stop, rule)
                 continue
             lp = _softmax_rows_(head.logits_into(buf[: stop - start], flat[start:stop]), log=True)  # log p_T
             y = ids[start:stop]
@@ -558,13 +559,37 @@ def _row_kernels(device: torch.device, top_k: Optional[int]):
     return row_logprob_entropy, kept_candidates
 
 
+class _ChunkedKeptSets:
+    """A call's kept sets for the CUDA pass: their entries moved to the device once, and each chunk's slice found
+    from offsets read on the host once (``KeptSets`` lives on the host: per chunk, a read and a copy would each
+    wait for the device)."""
+
+    def __init__(self, kept_sets: KeptSets, chunk: int, n: int, device: torch.device) -> None:
+        starts = [*range(0, n, chunk), n]
+        self.bounds = dict(zip(starts, kept_sets.offsets[starts].tolist()))  # the one read
+        offsets = kept_sets.offsets
+        rows = torch.repeat_interleave(torch.arange(n, device=offsets.device), offsets.diff(),
+                                       output_size=self.bounds[n])
+        self.rows = rows.to(device, non_blocking=True)
+        self.ids = kept_sets.ids[: self.bounds[n]].to(device, non_blocking=True)
+
+    def recorded_in(self, start: int, stop: int) -> bool:
+        """Whether a position of ``start:stop`` has a set (offsets only grow: its entries are not empty)."""
+        return self.bounds[stop] > self.bounds[start]
+
+    def flat_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`KeptSets.flat_rows`, on the device."""
+        lo, hi = self.bounds[start], self.bounds[stop]
+        return self.rows[lo:hi] - start, self.ids[lo:hi]
+
+
 def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor, top_k: Optional[int], top_p: float,
-                  min_p: float, keep_sampled: bool, kept_sets: Optional[KeptSets], recorded: Optional[torch.Tensor],
-                  start: int, stop: int, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  min_p: float, keep_sampled: bool, replay: Optional[_ChunkedKeptSets],
+                  recorded: Optional[torch.Tensor], start: int, stop: int,
+                  rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full and processed logprobs of one chunk from its raw fp32 logits ``z`` (``h W^T + b``, not yet divided by
     T), and where the recomputed set missed y: ``_processed_chunk``'s values without materialising the chunk's
-    log-probabilities and with one host synchronisation (with replayed rows, also whether the chunk has any and
-    the copy of its kept sets, which live on the host, to the device).
+    log-probabilities and with one host synchronisation (whether a row needs the sorting path).
 
     The row kernel reads the chunk once (log-sum-exp, the row's largest and the token's log-probability); the rows
     that one token does not settle go to ``kept_candidates``, which writes each row's few entries that can be in the
@@ -579,9 +604,7 @@ def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor,
     row_pass(z, y, temperature, lp_y, None, lse, peak)
     miss = torch.zeros(rows, dtype=torch.bool, device=dev)
     truncates = top_k is not None or top_p < 1.0 or min_p > 0.0
-    rec = recorded[start:stop] if recorded is not None else None
-    if rec is not None and not bool(rec.any()):
-        rec = None
+    rec = recorded[start:stop] if replay is not None and replay.recorded_in(start, stop) else None
     if not truncates and rec is None:
         return lp_y, lp_y, miss
     temp = _float32_temperature(temperature, dev)
@@ -589,8 +612,7 @@ def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor,
     proc = lp_y64.clone()
     todo = torch.full((rows,), truncates, dtype=torch.bool, device=dev)
     if rec is not None:
-        r, kept = kept_sets.flat_rows(start, stop)
-        r, kept = r.to(dev), kept.to(dev)
+        r, kept = replay.flat_rows(start, stop)
         log_s, member = replayed_log_mass_of(z[r, kept].div(temp) - lse[r], y, r, kept, rec)
         # a sampled token missing from the engine's own set is an engine failure: -inf (counted by the core)
         proc = torch.where(rec, torch.where(member, lp_y64 - log_s, float("-inf")), proc)
