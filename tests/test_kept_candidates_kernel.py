@@ -144,13 +144,13 @@ SCRIPT = textwrap.dedent('''
             with host_syncs() as counts:
                 inside = [0]
                 if kernels is not None:
-                    def timed(kernel):
+                    def set_aside(kernel):  # the interpreter's own reads inside a kernel are not the pass's
                         def run(*args, **kwargs):
                             before = sum(counts.values())
                             kernel(*args, **kwargs)
                             inside[0] += sum(counts.values()) - before
                         return run
-                    sampler._row_kernels = lambda device, top_k, k=kernels: tuple(timed(x) for x in k)
+                    sampler._row_kernels = lambda device, top_k, k=kernels: tuple(set_aside(x) for x in k)
                 sampler.sampler_logprobs_from_hidden(h[:20], w, ids[:20], bias=b, chunk_size=10, temperature=T, **st)
             reads[f"{label} {name}"] = sum(counts.values()) - inside[0]
     report["reads"] = reads
