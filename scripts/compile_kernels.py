@@ -8,7 +8,7 @@ in every variant the package launches, is compiled for each target (``80``: A100
 B200) with the argument types the package passes; the resource usage ``cuobjdump`` reads from the cubin says
 whether registers spill to local memory (slow). One line per kernel and target::
 
-    KERNEL_COMPILE triton=3.9.0 target=sm_90 kernel=kept_candidates regs=75 local=0 ok=True
+    KERNEL_COMPILE triton=3.9.0 target=sm_90 kernel=kept_candidates+mass regs=75 local=0 ok=True
 
 and a last ``KERNEL_COMPILE done ok=...`` line; the exit status is 1 when a kernel does not compile or spills.
 Run it under other Triton versions by putting one first on ``PYTHONPATH`` (``pip install --target DIR
@@ -31,7 +31,7 @@ ROW_SIGNATURE = {"z_ptr": "*fp32", "row_stride": "i32", "ids_ptr": "*i64", "logp
                  "lse_ptr": "*fp32", "peak_ptr": "*fp32", "V": "i32", "T": "fp32"}
 CANDIDATES_SIGNATURE = {"z_ptr": "*fp32", "row_stride": "i32", "lse_ptr": "*fp32", "peak_ptr": "*fp32",
                         "open_ptr": "*i8", "out_ptr": "*fp32", "count_ptr": "*i32", "V": "i32", "T": "fp32",
-                        "need_mass": "fp32", "need_count": "i32", "minp_log": "fp32"}
+                        "need": "fp32"}
 
 
 def variants():
@@ -43,9 +43,10 @@ def variants():
         name = "row_logprob_entropy" + (" +entropy" if entropy else "") + (" +lse" if lse else "")
         yield name, rl._row_logprob_entropy_kernel, ROW_SIGNATURE, dict(WANT_ENTROPY=entropy, WANT_LSE=lse,
                                                                          BLOCK_V=rl.BLOCK)
-    yield "kept_candidates", kc._kept_candidates_kernel, CANDIDATES_SIGNATURE, dict(
-        CAP=kc.CAP, J=kc.LEVELS, GAP0=kc.GAP0, LOG_RATIO=math.log(kc.RATIO), BLOCK_COUNT=kc.BLOCK_COUNT,
-        BLOCK_WRITE=kc.BLOCK_WRITE)
+    for cover, code in kc.COVERS.items():
+        yield f"kept_candidates +{cover}", kc._kept_candidates_kernel, CANDIDATES_SIGNATURE, dict(
+            COVER=code, CAP=kc.CAP, J=kc.LEVELS, GAP0=kc.GAP0, LOG_RATIO=math.log(kc.RATIO),
+            BLOCK_COUNT=kc.BLOCK_COUNT, BLOCK_WRITE=kc.BLOCK_WRITE)
 
 
 def resource_usage(cubin: bytes) -> dict:

@@ -54,38 +54,36 @@ SCRIPT = textwrap.dedent('''
     report["peak_vs_max"] = float((peak - lp.amax(-1)).abs().max())
     thresholds = [peak - GAP0 * RATIO ** j for j in range(32)]
     checks = {}
-    for name, kw in (("mass", dict(need_mass=0.9, need_count=2 ** 40, minp_log=-math.inf)),
-                     ("count", dict(need_mass=math.inf, need_count=40, minp_log=-math.inf)),
-                     ("min_p", dict(need_mass=math.inf, need_count=2 ** 40, minp_log=math.log(0.05)))):
+    for name, kw in (("mass", dict(mass=0.9)), ("count", dict(count=40)), ("bound", dict(bound=math.log(0.05)))):
         out = torch.full((N, CAP), float("-inf"))
         count = torch.zeros(N, dtype=torch.int32)
         open_rows = torch.ones(N, dtype=torch.bool)
         open_rows[1] = False
         kept_candidates(z, T, lse, peak, open_rows, out, count, **kw)
-        ok, narrowed = True, 0
+        ok, narrowed, over = True, 0, 0
         for i in range(N):
             n = int(count[i])
-            row = lp[i].double()
             if not open_rows[i]:
                 ok &= n == -1 and bool(torch.isneginf(out[i]).all())
                 continue
-            # the first threshold that covers, read naively in float64
-            first = None
-            for j, t in enumerate(thresholds):
-                ge = row >= float(t[i])
-                if (ge.sum() >= kw["need_count"] or row[ge].exp().sum() >= kw["need_mass"]
-                        or float(t[i]) <= float(peak[i]) + kw["minp_log"]):
-                    first = j
-                    break
-            want = -1 if first is None or int((row >= float(thresholds[first][i])).sum()) >= CAP else \\
-                int((row >= float(thresholds[first][i])).sum())
+            if name == "bound":  # the threshold as the kernel forms it, in float32
+                t_i = float(peak[i] + torch.tensor(kw["bound"], dtype=torch.float32))
+            else:  # the first threshold that covers, read naively in float64
+                row = lp[i].double()
+                covering = [float(t[i]) for t in thresholds
+                            if (row >= float(t[i])).sum() >= kw.get("count", math.inf)
+                            or row[row >= float(t[i])].exp().sum() >= kw.get("mass", math.inf)]
+                t_i = covering[0] if covering else None
+            above = None if t_i is None else int((lp[i] >= t_i).sum())
+            want = -1 if above is None or above >= CAP else above
+            over += above is not None and above >= CAP
             ok &= n == want
             if n >= 0:
                 narrowed += 1
                 got = out[i, :n].sort(descending=True).values
                 ok &= torch.equal(got, lp[i].sort(descending=True).values[:n])  # the n largest, each once
                 ok &= bool(torch.isneginf(out[i, n:]).all())
-        checks[name] = dict(ok=bool(ok), narrowed=narrowed)
+        checks[name] = dict(ok=bool(ok), narrowed=narrowed, over_cap=int(over))
     report["candidates"] = checks
 
     # 2. the pass through the kernels against the torch path
@@ -174,12 +172,14 @@ def test_the_row_kernel_returns_the_log_sum_exp_and_the_largest_log_probability(
     assert report["peak_vs_max"] == 0.0
 
 
-@pytest.mark.parametrize("cover", ["mass", "count", "min_p"])
+@pytest.mark.parametrize("cover", ["mass", "count", "bound"])
 def test_candidates_are_every_entry_above_the_first_covering_threshold(report, cover):
     check = report["candidates"][cover]
     assert check["ok"], check
     # the peaked and LM-like rows are narrowed (16 of them, one of which is closed); flat ones may exceed the cap
     assert check["narrowed"] >= 15, check
+    if cover == "bound":
+        assert check["over_cap"] > 0, check  # flat rows hold hundreds above min-p's bound: reported, not written
 
 
 def test_the_pass_through_the_kernels_equals_the_torch_path(report):
@@ -259,7 +259,7 @@ def test_the_kernels_refuse_buffers_they_cannot_write_before_launching():
     with pytest.raises(ValueError, match="lse_out and peak_out together"):
         row_logprob_entropy(z, ids, 1.0, rows.clone(), None, rows.clone())
     good = dict(out=torch.zeros(3, CAP), count_out=torch.zeros(3, dtype=torch.int32))
-    cover = dict(need_mass=0.9, need_count=10, minp_log=-1.0)
+    cover = dict(mass=0.9)
     for bad, match in ((dict(out=torch.zeros(3, CAP - 1)), "out must be a contiguous float32"),
                        (dict(out=torch.zeros(CAP, 3).t()), "out must be a contiguous float32"),
                        (dict(count_out=torch.zeros(3, dtype=torch.int64)), "count_out must be int32"),
@@ -268,3 +268,7 @@ def test_the_kernels_refuse_buffers_they_cannot_write_before_launching():
         with pytest.raises(ValueError, match=match):
             kept_candidates(args["z"], 1.0, rows, rows, torch.ones(3, dtype=torch.bool), args["out"],
                             args["count_out"], **cover)
+    for covers in ({}, dict(mass=0.9, count=3)):  # exactly one cover
+        with pytest.raises(ValueError, match="exactly one of mass=, count=, bound="):
+            kept_candidates(z, 1.0, rows, rows, torch.ones(3, dtype=torch.bool), good["out"], good["count_out"],
+                            **covers)

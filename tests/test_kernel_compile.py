@@ -20,7 +20,8 @@ triton = pytest.importorskip("triton", reason="Triton is not installed (it ships
 compile_kernels = load_script(ROOT / "scripts" / "compile_kernels.py", "compile_kernels")
 
 LOG = ROOT / "docs" / "data" / "cpu" / "kernel_compile.log"
-VARIANTS = {"row_logprob_entropy", "row_logprob_entropy+entropy", "row_logprob_entropy+lse", "kept_candidates"}
+VARIANTS = {"row_logprob_entropy", "row_logprob_entropy+entropy", "row_logprob_entropy+lse", "kept_candidates+mass",
+            "kept_candidates+count", "kept_candidates+bound"}
 
 
 def test_every_kernel_variant_compiles_for_an_h100_without_spilling(capsys):

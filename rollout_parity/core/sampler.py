@@ -624,16 +624,16 @@ def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor,
             alone = peak.double().exp() >= limit
         cand = torch.full((rows, CAP), float("-inf"), dtype=torch.float32, device=dev)
         count = torch.empty(rows, dtype=torch.int32, device=dev)
-        alone_p = top_p < 1.0 and top_k is None and min_p <= 0.0
-        candidates(z, temperature, lse, peak, todo & ~alone, cand, count,
-                   need_mass=limit + 1e-4 if alone_p else float("inf"),
-                   need_count=top_k if top_k is not None else 2 ** 31 - 1,
-                   minp_log=math.log(min_p) - 1e-3 if min_p > 0.0 else float("-inf"))
+        # the cover that holds every entry vLLM's filters renormalise over (kernels/kept_candidates.py): min-p's
+        # bound (less a margin for float rounding), else top-k's count, else top-p's mass (with a margin likewise)
+        cover = (dict(bound=math.log(min_p) - 1e-3) if min_p > 0.0 else dict(count=top_k) if top_k is not None
+                 else dict(mass=limit + 1e-4))
+        candidates(z, temperature, lse, peak, todo & ~alone, cand, count, **cover)
         log_s, smallest, settled = _on_candidates(cand.sort(dim=-1, descending=True).values, top_k, top_p, min_p,
                                                   whole=False, rule=rule)
         log_s = torch.where(alone, peak.double(), log_s)
         smallest = torch.where(alone, peak, smallest)
-        settled = alone | settled  # a row the kernel did not narrow is all -inf: never settled
+        settled = alone | (settled & (count >= 0))  # a row over the cap holds only some of its candidates
         inside = lp_y64 >= smallest.double()
         done = todo & settled
         proc = torch.where(done, _with_rule(lp_y64, log_s, inside, keep_sampled), proc)

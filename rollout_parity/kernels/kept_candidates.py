@@ -5,31 +5,33 @@ set lies among the row's largest log-probabilities ``lp_v = div_rn(z_v, T) - lse
 :mod:`rollout_parity.kernels.row_logsumexp`), and a threshold ``t`` *covers* it when every entry the filters need
 is ``>= t``:
 
-* top-p alone: the mass at or above ``t`` reaches top_p (the fewest largest entries that reach it are then inside);
-* top-k: at least k entries are ``>= t`` (the k largest and every tie of the k-th are then inside);
-* min-p: ``t <= lp_max + log(min_p)`` (every entry with ``p >= p_max min_p`` is inside).
+* ``mass`` (top-p alone): the mass at or above ``t`` reaches top_p (the fewest largest entries that reach it are
+  then inside);
+* ``count`` (top-k): at least k entries are ``>= t`` (the k largest and every tie of the k-th are then inside);
+* ``bound`` (min-p): ``t = lp_max + log(min_p)``, less a margin (every entry with ``p >= p_max min_p`` is inside).
 
 With top-p after top-k or min-p, vLLM renormalises over their survivors, so the candidates must hold all of them:
-the caller then asks for the top-k or min-p cover alone (``need_mass`` = inf).
+the caller then asks for the top-k or min-p cover (min-p's when both are on: its threshold needs no search).
 
-Pass 1 reads the row once and, for ``J`` thresholds ``t_j = lp_max - gap_j``, counts the entries and sums their
-mass (float32) at or above each; the first (highest) covering threshold is chosen. Pass 2 reads the row again and
-writes every entry ``>= t`` to the row of ``out`` (at most ``CAP - 1`` of them: a row with more, or with no
-covering threshold, gets ``count -1`` and is left to the caller's sorting path), in vocabulary order. The caller
-sorts those few values and applies vLLM's filters to them in float64: this kernel only narrows the row, it
-decides nothing about the kept set. Rows not marked open are not read.
+For ``mass`` and ``count``, a first read of the row sums, for ``J`` thresholds ``t_j = lp_max - gap_j``, the mass
+(float32) or the number of entries at or above each, and the first (highest) covering threshold is chosen; a
+``bound`` is the threshold itself. A second read writes every entry ``>= t`` to the row of ``out``, in vocabulary
+order (at most ``CAP - 1`` of them: a row with more, or with no covering threshold, gets ``count -1`` and is left
+to the caller's sorting path). The caller sorts those few values and applies vLLM's filters to them in float64:
+this kernel only narrows the row, it decides nothing about the kept set. Rows not marked open are not read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CAP", "GAP0", "LEVELS", "RATIO", "kept_candidates"]
+__all__ = ["CAP", "COVERS", "GAP0", "LEVELS", "RATIO", "kept_candidates"]
 
 #: Columns of the candidates' output per row (a row keeps at most ``CAP - 1`` candidates: the last column stays
 #: -inf, which tells ``_on_candidates`` that nothing beyond them survives).
@@ -44,33 +46,33 @@ GAP0, RATIO, LEVELS = 0.25, 132.0 ** (1 / 31), 32
 
 
 @triton.jit
-def _kept_candidates_kernel(z_ptr, row_stride, lse_ptr, peak_ptr, open_ptr, out_ptr, count_ptr, V, T,
-                            need_mass, need_count, minp_log, CAP: tl.constexpr, J: tl.constexpr,
-                            GAP0: tl.constexpr, LOG_RATIO: tl.constexpr, BLOCK_COUNT: tl.constexpr,
-                            BLOCK_WRITE: tl.constexpr):
+def _kept_candidates_kernel(z_ptr, row_stride, lse_ptr, peak_ptr, open_ptr, out_ptr, count_ptr, V, T, need,
+                            COVER: tl.constexpr, CAP: tl.constexpr, J: tl.constexpr, GAP0: tl.constexpr,
+                            LOG_RATIO: tl.constexpr, BLOCK_COUNT: tl.constexpr, BLOCK_WRITE: tl.constexpr):
     row = tl.program_id(0)
     if tl.load(open_ptr + row) != 0:
         base = z_ptr + row.to(tl.int64) * row_stride
         lse = tl.load(lse_ptr + row)
         peak = tl.load(peak_ptr + row)
-        j = tl.arange(0, J)
-        t = peak - GAP0 * tl.exp(j.to(tl.float32) * LOG_RATIO)
-        # per-lane partial counts and masses, reduced once after the loop (no cross-lane reduction per step)
-        cnt = tl.zeros((J, BLOCK_COUNT), tl.int32)
-        mass = tl.zeros((J, BLOCK_COUNT), tl.float32)
-        for start in range(0, V, BLOCK_COUNT):
-            offs = start + tl.arange(0, BLOCK_COUNT)
-            lp = tl.math.div_rn(tl.load(base + offs, mask=offs < V, other=float("-inf")), T) - lse
-            ge = lp[None, :] >= t[:, None]  # a padded -inf is below every finite threshold
-            cnt += ge.to(tl.int32)
-            mass += tl.where(ge, tl.exp(lp)[None, :], 0.0)
-        n_at = tl.sum(cnt, 1)
-        cover = (tl.sum(mass, 1) >= need_mass) | (n_at >= need_count) | (t <= peak + minp_log)
-        first = tl.min(tl.where(cover, j, J), 0)
-        n_first = tl.sum(tl.where(j == first, n_at, 0), 0)
-        t_first = tl.sum(tl.where(j == first, t, 0.0), 0)
-        found = (first < J) & (n_first < CAP)
-        tl.store(count_ptr + row, tl.where(found, n_first, -1))
+        if COVER == 2:  # a bound below the peak: the threshold itself, no read to find it
+            t_first = peak + need
+            found = t_first == t_first  # False for a NaN row: the caller's sorting path then
+        else:
+            j = tl.arange(0, J)
+            t = peak - GAP0 * tl.exp(j.to(tl.float32) * LOG_RATIO)
+            # per-lane partial sums (masses, or counts), reduced once after the loop: no cross-lane step per block
+            acc = tl.zeros((J, BLOCK_COUNT), tl.float32)
+            for start in range(0, V, BLOCK_COUNT):
+                offs = start + tl.arange(0, BLOCK_COUNT)
+                lp = tl.math.div_rn(tl.load(base + offs, mask=offs < V, other=float("-inf")), T) - lse
+                ge = lp[None, :] >= t[:, None]  # a padded -inf is below every finite threshold
+                if COVER == 0:
+                    acc += tl.where(ge, tl.exp(lp)[None, :], 0.0)
+                else:
+                    acc += ge.to(tl.float32)  # counts up to 2^24 are exact in float32
+            first = tl.min(tl.where(tl.sum(acc, 1) >= need, j, J), 0)
+            t_first = tl.sum(tl.where(j == first, t, 0.0), 0)
+            found = first < J
         if found:
             pos = tl.zeros((), tl.int32)
             for start in range(0, V, BLOCK_WRITE):
@@ -79,26 +81,38 @@ def _kept_candidates_kernel(z_ptr, row_stride, lse_ptr, peak_ptr, open_ptr, out_
                 if tl.max(lp, 0) >= t_first:  # most blocks hold no candidate: no scan for them
                     sel = lp >= t_first
                     at = pos + tl.cumsum(sel.to(tl.int32), 0) - 1
-                    tl.store(out_ptr + row.to(tl.int64) * CAP + at, lp, mask=sel)
+                    tl.store(out_ptr + row.to(tl.int64) * CAP + at, lp, mask=sel & (at < CAP - 1))
                     pos += tl.sum(sel.to(tl.int32), 0)
+            tl.store(count_ptr + row, tl.where(pos < CAP, pos, -1))
+        else:
+            tl.store(count_ptr + row, -1)
     else:
         tl.store(count_ptr + row, -1)
 
 
+#: The kernel's covers: by the mass above a threshold, by the count above it, or a bound given outright.
+COVERS = {"mass": 0, "count": 1, "bound": 2}
+
+
 def kept_candidates(z: torch.Tensor, temperature: float, lse: torch.Tensor, peak: torch.Tensor,
-                    open_rows: torch.Tensor, out: torch.Tensor, count_out: torch.Tensor, *, need_mass: float,
-                    need_count: int, minp_log: float) -> None:
-    """``out[i]`` <- the entries ``>= t_i`` of row ``i`` of ``div_rn(z, T) - lse`` (unordered, the rest of the row
-    of ``out`` untouched) and ``count_out[i]`` <- how many, for each row with ``open_rows[i]``; ``t_i`` is the first
-    threshold ``peak_i - GAP0 * RATIO**j`` whose mass reaches ``need_mass`` or whose count reaches ``need_count``
-    or that lies at or below ``peak_i + minp_log`` (pass ``inf``, a count above V, ``-inf`` to leave a test out).
-    ``count_out[i]`` is -1 where no threshold covers the row, where the covering one holds ``CAP`` entries or more,
-    and where the row is not open.
+                    open_rows: torch.Tensor, out: torch.Tensor, count_out: torch.Tensor, *,
+                    mass: Optional[float] = None, count: Optional[int] = None, bound: Optional[float] = None) -> None:
+    """``out[i]`` <- the entries ``>= t_i`` of row ``i`` of ``div_rn(z, T) - lse`` (in vocabulary order, the rest of
+    the row of ``out`` untouched) and ``count_out[i]`` <- how many, for each row with ``open_rows[i]``. One cover
+    sets ``t_i``: ``mass`` (top-p alone): the first threshold ``peak_i - GAP0 * RATIO**j`` whose entries' mass
+    reaches it; ``count`` (top-k): the first whose entries number at least that; ``bound`` (min-p, ``log min_p``
+    less a margin): ``peak_i + bound``, found without a read. ``count_out[i]`` is -1 where no threshold covers the
+    row, where the row holds ``CAP`` or more such entries (then ``out[i]`` holds only some of them: the caller
+    must not use it), and where the row is not open.
 
     ``z``: (rows, V) float32, unit stride along V; ``lse``, ``peak``: float32 (rows,) from
     :func:`~rollout_parity.kernels.row_logsumexp.row_logprob_entropy`; ``open_rows``: bool (rows,); ``out``:
     float32 (rows, CAP), contiguous (fill it with -inf first); ``count_out``: int32 (rows,). Nothing is checked
     against V or synchronised with the host."""
+    given = {name: v for name, v in (("mass", mass), ("count", count), ("bound", bound)) if v is not None}
+    if len(given) != 1:
+        raise ValueError(f"pass exactly one of mass=, count=, bound= (the kept set's cover), got {sorted(given)}")
+    (cover, need), = given.items()
     if z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1:
         raise ValueError(f"z must be a 2-D float32 tensor contiguous along the vocabulary, got {z.dtype} "
                          f"{tuple(z.shape)} strides {z.stride()}")
@@ -110,9 +124,8 @@ def kept_candidates(z: torch.Tensor, temperature: float, lse: torch.Tensor, peak
         raise ValueError(f"count_out must be int32 ({rows},), got {count_out.dtype} {tuple(count_out.shape)}")
     if rows == 0:
         return
-    need_count = min(int(need_count), 2 ** 31 - 1)
     with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
         _kept_candidates_kernel[(rows,)](
             z, z.stride(0), lse, peak, open_rows.to(torch.int8), out, count_out, vocab, float(temperature),
-            float(need_mass), need_count, float(minp_log), CAP=CAP, J=LEVELS, GAP0=GAP0, LOG_RATIO=math.log(RATIO),
+            float(need), COVER=COVERS[cover], CAP=CAP, J=LEVELS, GAP0=GAP0, LOG_RATIO=math.log(RATIO),
             BLOCK_COUNT=BLOCK_COUNT, BLOCK_WRITE=BLOCK_WRITE, num_warps=8)
