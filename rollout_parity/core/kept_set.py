@@ -27,7 +27,8 @@ H = 1024 0.54-0.66 s; bool reductions over (rows, V) cost more than ``topk`` and
 kept set can differ from vLLM's only where the cumulative mass sits within ~1e-7 of the threshold.
 
 On CUDA the sampler pass finds each row's candidates with a Triton kernel instead of the stages above (every entry
-above the first of 32 thresholds that covers the filters, :mod:`rollout_parity.kernels.kept_candidates`) and hands
+above a threshold that covers the filters: min-p's bound, or the first of 32 below the row's largest that holds
+top-k's count or top-p's mass, :mod:`rollout_parity.kernels.kept_candidates`) and hands
 them, sorted, to the same :func:`_on_candidates`; rows that do not settle there come back to
 :func:`settle_kept_sets`.
 """
