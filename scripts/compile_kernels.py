@@ -19,7 +19,6 @@ triton==X --no-deps``): docs/fp32_and_sampler.md quotes such a sweep. The kernel
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import subprocess
@@ -35,18 +34,17 @@ CANDIDATES_SIGNATURE = {"z_ptr": "*fp32", "row_stride": "i32", "lse_ptr": "*fp32
 
 
 def variants():
-    """(name, jit function, signature, constexprs) for each kernel variant the package launches."""
+    """(name, jit function, signature, constexprs, warps) for each kernel variant the package launches, with the
+    compile-time arguments its launch passes (each kernel module's ``launch_constants``)."""
     from rollout_parity.kernels import kept_candidates as kc
     from rollout_parity.kernels import row_logsumexp as rl
 
     for entropy, lse in ((False, False), (True, False), (False, True)):  # the plain pass, with entropy, the sampler's
         name = "row_logprob_entropy" + (" +entropy" if entropy else "") + (" +lse" if lse else "")
-        yield name, rl._row_logprob_entropy_kernel, ROW_SIGNATURE, dict(WANT_ENTROPY=entropy, WANT_LSE=lse,
-                                                                         BLOCK_V=rl.BLOCK)
-    for cover, code in kc.COVERS.items():
-        yield f"kept_candidates +{cover}", kc._kept_candidates_kernel, CANDIDATES_SIGNATURE, dict(
-            COVER=code, CAP=kc.CAP, J=kc.LEVELS, GAP0=kc.GAP0, LOG_RATIO=math.log(kc.RATIO),
-            BLOCK_COUNT=kc.BLOCK_COUNT, BLOCK_WRITE=kc.BLOCK_WRITE)
+        yield name, rl._row_logprob_entropy_kernel, ROW_SIGNATURE, rl.launch_constants(entropy, lse), rl.NUM_WARPS
+    for cover in kc.COVERS:
+        yield (f"kept_candidates +{cover}", kc._kept_candidates_kernel, CANDIDATES_SIGNATURE,
+               kc.launch_constants(cover), kc.NUM_WARPS)
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -73,13 +71,13 @@ def main(argv=None) -> int:
 
     ok = True
     for cc in (int(c) for c in args.targets.split(",")):
-        for name, fn, signature, constexprs in variants():
+        for name, fn, signature, constexprs, warps in variants():
             if args.only and args.only not in name:
                 continue
             sig = dict(signature, **{k: "constexpr" for k in constexprs})
             try:
                 kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                                        target=GPUTarget("cuda", cc, 32), options={"num_warps": 8})
+                                        target=GPUTarget("cuda", cc, 32), options={"num_warps": warps})
                 usage = resource_usage(kernel.asm["cubin"])
                 good = usage.get("LOCAL", 0) == 0
                 detail = f"regs={usage.get('REG')} local={usage.get('LOCAL')}"

@@ -39,7 +39,7 @@ def _broken(x_ptr, N: triton.language.constexpr):
 
 
 def test_a_kernel_that_does_not_compile_is_named_and_fails_the_run(monkeypatch, capsys):
-    monkeypatch.setattr(compile_kernels, "variants", lambda: [("broken", _broken, {"x_ptr": "*fp32"}, {"N": 16})])
+    monkeypatch.setattr(compile_kernels, "variants", lambda: [("broken", _broken, {"x_ptr": "*fp32"}, {"N": 16}, 4)])
     assert compile_kernels.main(["--targets", "90"]) == 1
     out = capsys.readouterr().out
     assert "kernel=broken error=" in out and "ok=False" in out

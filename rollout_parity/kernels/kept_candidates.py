@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CAP", "COVERS", "GAP0", "LEVELS", "RATIO", "kept_candidates"]
+__all__ = ["CAP", "COVERS", "GAP0", "LEVELS", "NUM_WARPS", "RATIO", "kept_candidates", "launch_constants"]
 
 #: Columns of the candidates' output per row (a row keeps at most ``CAP - 1`` candidates: the last column stays
 #: -inf, which tells ``_on_candidates`` that nothing beyond them survives).
@@ -92,6 +92,14 @@ def _kept_candidates_kernel(z_ptr, row_stride, lse_ptr, peak_ptr, open_ptr, out_
 
 #: The kernel's covers: by the mass above a threshold, by the count above it, or a bound given outright.
 COVERS = {"mass": 0, "count": 1, "bound": 2}
+NUM_WARPS = 8
+
+
+def launch_constants(cover: str) -> dict:
+    """The kernel's compile-time arguments for ``cover`` (one compiled variant per cover): what
+    :func:`kept_candidates` launches and what ``scripts/compile_kernels.py`` compiles."""
+    return dict(COVER=COVERS[cover], CAP=CAP, J=LEVELS, GAP0=GAP0, LOG_RATIO=math.log(RATIO), BLOCK_COUNT=BLOCK_COUNT,
+                BLOCK_WRITE=BLOCK_WRITE)
 
 
 def kept_candidates(z: torch.Tensor, temperature: float, lse: torch.Tensor, peak: torch.Tensor,
@@ -127,5 +135,4 @@ def kept_candidates(z: torch.Tensor, temperature: float, lse: torch.Tensor, peak
     with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
         _kept_candidates_kernel[(rows,)](
             z, z.stride(0), lse, peak, open_rows.to(torch.int8), out, count_out, vocab, float(temperature),
-            float(need), COVER=COVERS[cover], CAP=CAP, J=LEVELS, GAP0=GAP0, LOG_RATIO=math.log(RATIO),
-            BLOCK_COUNT=BLOCK_COUNT, BLOCK_WRITE=BLOCK_WRITE, num_warps=8)
+            float(need), **launch_constants(cover), num_warps=NUM_WARPS)

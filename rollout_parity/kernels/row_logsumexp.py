@@ -26,10 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["row_logprob_entropy", "BLOCK"]
+__all__ = ["row_logprob_entropy", "BLOCK", "NUM_WARPS", "launch_constants"]
 
 #: Vocabulary entries a program reads per step.
 BLOCK = 4096
+NUM_WARPS = 8
+
+
+def launch_constants(want_entropy: bool, want_lse: bool) -> dict:
+    """The kernel's compile-time arguments (one compiled variant per pair): what :func:`row_logprob_entropy`
+    launches and what ``scripts/compile_kernels.py`` compiles."""
+    return dict(WANT_ENTROPY=want_entropy, WANT_LSE=want_lse, BLOCK_V=BLOCK)
 
 
 @triton.jit
@@ -88,4 +95,4 @@ def row_logprob_entropy(z: torch.Tensor, token_ids: torch.Tensor, temperature: f
         _row_logprob_entropy_kernel[(rows,)](
             z, z.stride(0), token_ids, logp_out, ent_out if want else logp_out, lse_out if want_lse else logp_out,
             peak_out if want_lse else logp_out, vocab, float(temperature),
-            WANT_ENTROPY=want, WANT_LSE=want_lse, BLOCK_V=BLOCK, num_warps=8)
+            **launch_constants(want, want_lse), num_warps=NUM_WARPS)
