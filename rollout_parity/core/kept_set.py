@@ -36,11 +36,12 @@ them, sorted, to the same :func:`_on_candidates`; rows that do not settle there 
 from __future__ import annotations
 
 import struct
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["CANDIDATES", "kept_log_mass", "replayed_log_mass", "replayed_log_mass_of", "settle_kept_sets"]
+__all__ = ["CANDIDATES", "alone_holds_top_p", "kept_log_mass", "replayed_log_mass", "replayed_log_mass_of",
+           "settle_kept_sets"]
 
 #: Candidates per row of the first top-k stage (a top-k of ``k`` needs ``k + 1``).
 CANDIDATES = 32
@@ -60,6 +61,18 @@ def _one_minus_top_p(top_p: float) -> float:
 def _limit(top_p: float) -> float:
     """vLLM drops a position when its float32 cumsum <= 1 - top_p (formed in float32): keep above < this."""
     return 1.0 - _one_minus_top_p(top_p)
+
+
+def alone_holds_top_p(top_p: float, rule: str, peak: Callable[[], torch.Tensor]
+                      ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The first stage: ``(peak, alone)``, the rows' largest log-probability (``peak()``, computed only where the
+    stage applies) and the rows whose most likely token alone holds ``top_p`` (then it is the whole kept set,
+    whatever min-p and top-k did first). None where the stage does not apply: no top-p, or vLLM's Triton rule with
+    ``top_p <= 0.5`` (two maxima tied at >= top_p can exist there, and the kernel keeps only the lower id)."""
+    if top_p >= 1.0 or (rule == "triton" and top_p <= 0.5):
+        return None
+    p = peak()
+    return p, p.double().exp() >= _limit(top_p)  # the mass ranked above the second token reaches the limit
 
 
 def _on_candidates(vals: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float, whole: bool,
@@ -161,9 +174,9 @@ def settle_kept_sets(lp: torch.Tensor, top_k: Optional[int], top_p: float, min_p
     smallest = torch.zeros(rows, dtype=lp.dtype, device=dev)
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
     open_rows = torch.arange(rows, device=dev)
-    if top_p < 1.0 and (rule != "triton" or top_p > 0.5):
-        peak = lp.amax(-1)
-        alone = peak.double().exp() >= _limit(top_p)  # the mass ranked above the second token reaches the limit
+    stage = alone_holds_top_p(top_p, rule, lambda: lp.amax(-1))
+    if stage is not None:
+        peak, alone = stage
         log_s[alone], smallest[alone], done[alone] = peak[alone].double(), peak[alone], True
         open_rows = open_rows[~alone]
     flat = open_rows[:0]

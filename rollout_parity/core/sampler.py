@@ -80,7 +80,8 @@ import torch
 from .distributed import all_reduce
 from .fp32_logprobs import _softmax_rows_
 from .head_matmul import HeadProjector, chunk_rows, exact_fp32_matmul
-from .kept_set import _limit, _on_candidates, replayed_log_mass, replayed_log_mass_of, settle_kept_sets
+from .kept_set import (_limit, _on_candidates, alone_holds_top_p, replayed_log_mass, replayed_log_mass_of,
+                       settle_kept_sets)
 from .ratios import check_shapes
 from .replay import KeptSets
 
@@ -618,16 +619,14 @@ def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor,
         proc = torch.where(rec, torch.where(member, lp_y64 - log_s, float("-inf")), proc)
         todo &= ~rec
     if truncates:
-        limit = _limit(top_p)
-        alone = torch.zeros_like(todo)
-        if top_p < 1.0 and (rule != "triton" or top_p > 0.5):  # as settle_kept_sets' first stage
-            alone = peak.double().exp() >= limit
+        stage = alone_holds_top_p(top_p, rule, lambda: peak)  # settle_kept_sets' first stage
+        alone = torch.zeros_like(todo) if stage is None else stage[1]
         cand = torch.full((rows, CAP), float("-inf"), dtype=torch.float32, device=dev)
         count = torch.empty(rows, dtype=torch.int32, device=dev)
         # the cover that holds every entry vLLM's filters renormalise over (kernels/kept_candidates.py): min-p's
         # bound (less a margin for float rounding), else top-k's count, else top-p's mass (with a margin likewise)
         cover = (dict(bound=math.log(min_p) - 1e-3) if min_p > 0.0 else dict(count=top_k) if top_k is not None
-                 else dict(mass=limit + 1e-4))
+                 else dict(mass=_limit(top_p) + 1e-4))
         candidates(z, temperature, lse, peak, todo & ~alone, cand, count, **cover)
         log_s, smallest, settled = _on_candidates(cand.sort(dim=-1, descending=True).values, top_k, top_p, min_p,
                                                   whole=False, rule=rule)
