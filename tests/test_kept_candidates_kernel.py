@@ -86,6 +86,23 @@ SCRIPT = textwrap.dedent('''
         checks[name] = dict(ok=bool(ok), narrowed=narrowed, over_cap=int(over))
     report["candidates"] = checks
 
+    # 1b. entries exactly at a threshold: lse = 0 and T = 1 make the kernel's values the logits themselves, and the
+    # first threshold is peak - GAP0 exactly (exp(0) = 1); an entry sitting on it is a candidate (>=, not >), also
+    # alone in a block of the write (columns 1024 on)
+    zt = torch.full((3, 1100), -50.0)
+    zt[:, [100, 250, 1050]] = torch.tensor([0.0, -0.28125, -0.25])
+    zt[2, 1080] = -2.0  # the bound's row: peak + (-2) is -2 exactly
+    zeros, peaks = torch.zeros(3), torch.zeros(3)
+    at_edge = {}
+    for i, (name, kw) in enumerate((("mass", dict(mass=1.5)), ("count", dict(count=2)), ("bound", dict(bound=-2.0)))):
+        out = torch.full((3, CAP), float("-inf"))
+        count = torch.zeros(3, dtype=torch.int32)
+        open_rows = torch.zeros(3, dtype=torch.bool)
+        open_rows[i] = True
+        kept_candidates(zt, 1.0, zeros, peaks, open_rows, out, count, **kw)
+        at_edge[name] = out[i, :max(int(count[i]), 0)].tolist()
+    report["at_edge"] = at_edge
+
     # 2. the pass through the kernels against the torch path
     padded = torch.full((N, 40), -1, dtype=torch.long)
     for i in range(0, N, 4):  # an engine-recorded set on every fourth row: the row's 30 largest plus the token
@@ -180,6 +197,12 @@ def test_candidates_are_every_entry_above_the_first_covering_threshold(report, c
     assert check["narrowed"] >= 15, check
     if cover == "bound":
         assert check["over_cap"] > 0, check  # flat rows hold hundreds above min-p's bound: reported, not written
+
+
+def test_an_entry_exactly_on_the_threshold_is_a_candidate(report):
+    # mass: 1 + e^-0.25 reaches 1.5 at the first threshold (-0.25), which holds the entry on it and not -0.28125;
+    # count: two entries at or above -0.25; bound: -2 is peak + bound exactly. In vocabulary order.
+    assert report["at_edge"] == {"mass": [0.0, -0.25], "count": [0.0, -0.25], "bound": [0.0, -0.28125, -0.25, -2.0]}
 
 
 def test_the_pass_through_the_kernels_equals_the_torch_path(report):
