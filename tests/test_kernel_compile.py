@@ -46,6 +46,15 @@ def test_a_kernel_that_does_not_compile_is_named_and_fails_the_run(monkeypatch, 
     assert out.rstrip().endswith("KERNEL_COMPILE done ok=False")
 
 
+def test_only_compiles_the_variants_it_names(monkeypatch, capsys):
+    bound = next(v for v in compile_kernels.variants() if v[0].replace(" ", "") == "kept_candidates+bound")
+    monkeypatch.setattr(compile_kernels, "variants",
+                        lambda: [("broken", _broken, {"x_ptr": "*fp32"}, {"N": 16}, 4), bound])
+    assert compile_kernels.main(["--targets", "90", "--only", "bound"]) == 0  # the broken one is left out
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("KERNEL_COMPILE triton=")]
+    assert len(lines) == 1 and "kernel=kept_candidates+bound" in lines[0], lines
+
+
 def test_the_saved_sweep_compiled_every_variant_on_every_target_and_release():
     lines = [x for x in LOG.read_text().splitlines() if x.startswith("KERNEL_COMPILE triton=")]
     seen = {(re.search(r"triton=(\S+)", x)[1], re.search(r"target=(\S+)", x)[1], re.search(r"kernel=(\S+)", x)[1])
