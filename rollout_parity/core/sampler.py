@@ -567,8 +567,8 @@ class _ChunkedKeptSets:
 
     def __init__(self, kept_sets: KeptSets, chunk: int, n: int, device: torch.device) -> None:
         starts = [*range(0, n, chunk), n]
-        self.bounds = dict(zip(starts, kept_sets.offsets[starts].tolist()))  # the one read
         offsets = kept_sets.offsets
+        self.bounds = dict(zip(starts, offsets[starts].tolist()))  # the one read
         rows = torch.repeat_interleave(torch.arange(n, device=offsets.device), offsets.diff(),
                                        output_size=self.bounds[n])
         self.rows = rows.to(device, non_blocking=True)
