@@ -35,6 +35,7 @@ RESPONSE_LENS = [6, 2, 7, 4]
 
 def main(preset: str) -> dict:
     from .spread import seed
+    from .verl_actor_build import training_worker
     from .verl_cpu import ENV, install
 
     os.environ.update(ENV)
@@ -42,16 +43,11 @@ def main(preset: str) -> dict:
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     install()
 
-    from functools import partial
-
     import torch
     import transformers
     from hydra import compose, initialize_config_dir
     from verl.trainer.ppo import core_algos
     from verl.utils import tensordict_utils as tu
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
-    from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import response_from_nested
 
     from rollout_parity import CorrectionConfig, compute_correction, policy_loss
@@ -78,22 +74,11 @@ def main(preset: str) -> dict:
             "actor_rollout_ref.actor.optim.optimizer=SGD", f"actor_rollout_ref.actor.optim.lr={LR}",
             "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.actor.optim.clip_grad=1e9",
             "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_kl_loss=false",
+            # one log-prob micro-batch: one hidden capture
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={len(PROMPT_LENS)}",
         ])
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    model_config = omega_conf_to_dataclass(config.actor_rollout_ref.model)
-    actor_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    actor_config.model_config = model_config
-    engine_config = actor_config.engine  # as verl's ActorRolloutRefWorker fills it
-    engine_config.use_dynamic_bsz = actor_config.use_dynamic_bsz
-    engine_config.max_token_len_per_gpu = actor_config.ppo_max_token_len_per_gpu
-    engine_config.micro_batch_size_per_gpu = actor_config.ppo_micro_batch_size_per_gpu
-    engine_config.infer_micro_batch_size_per_gpu = len(PROMPT_LENS)  # one log-prob micro-batch: one hidden capture
-    engine_config.infer_max_token_len_per_gpu = actor_config.ppo_max_token_len_per_gpu
-    worker = TrainingWorker(config=TrainingWorkerConfig(
-        model_type="language_model", model_config=model_config, engine_config=engine_config,
-        optimizer_config=actor_config.optim, checkpoint_config=actor_config.checkpoint))
-    worker.reset()
-    worker.set_loss_fn(partial(ppo_loss, config=actor_config))
+    actor_config, worker = training_worker(config)
     engine, module = worker.engine, worker.engine.module
     head = module.get_output_embeddings()
 

@@ -63,37 +63,18 @@ def _overrides(opts: dict, path: str) -> list[str]:
 
 def _build(opts: dict, path: str):
     """verl's config, validated by the adapter, and verl's actor built from it as ActorRolloutRefWorker does."""
-    from functools import partial
-
     from hydra import compose, initialize_config_dir
     from verl.trainer.ppo import core_algos
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
-    from verl.workers.utils.losses import ppo_loss
 
     from rollout_parity.adapters import verl as adapter
+
+    from .verl_actor_build import training_worker
 
     config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=_overrides(opts, path))
     adapter.configure_verl(config)  # the driver's validation and flags (refusals raise here)
-    model_config = omega_conf_to_dataclass(config.actor_rollout_ref.model)
-    actor_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    actor_config.model_config = model_config
-    rollout = config.actor_rollout_ref.rollout
-    engine_config = actor_config.engine
-    engine_config.use_dynamic_bsz = actor_config.use_dynamic_bsz
-    engine_config.infer_max_token_len_per_gpu = rollout.log_prob_max_token_len_per_gpu
-    engine_config.infer_micro_batch_size_per_gpu = rollout.log_prob_micro_batch_size_per_gpu
-    engine_config.max_token_len_per_gpu = actor_config.ppo_max_token_len_per_gpu
-    engine_config.micro_batch_size_per_gpu = actor_config.ppo_micro_batch_size_per_gpu
-    engine_config.use_remove_padding = model_config.get("use_remove_padding", False)
-    worker = TrainingWorker(config=TrainingWorkerConfig(
-        model_type="language_model", model_config=model_config, engine_config=engine_config,
-        optimizer_config=actor_config.optim, checkpoint_config=actor_config.checkpoint))
-    worker.reset()
-    worker.set_loss_fn(partial(ppo_loss, config=actor_config))
-    return config, worker
+    return config, training_worker(config)[1]
 
 
 def _worker(rank: int, port: int, opts: dict, path: str, out_dir: str) -> None:
