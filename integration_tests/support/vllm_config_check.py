@@ -236,6 +236,7 @@ def _gpu_user_platform() -> Any:
     platforms._current_platform = cpu
     try:
         import vllm.model_executor.model_loader.weight_utils  # noqa: F401
+        import vllm.model_executor.layers.quantization.fp8  # noqa: F401
     finally:
         platforms._current_platform = platform
     for name in _holders(cpu):
@@ -271,6 +272,7 @@ def _resolved(vllm_config: Any) -> dict:
         "enable_prefix_caching": bool(cc.enable_prefix_caching),
         "async_scheduling": bool(sc.async_scheduling),
         "logprobs_mode": str(mc.logprobs_mode),
+        "quantization": None if mc.quantization is None else str(mc.quantization),
         "return_sampling_mask": bool(getattr(mc, "return_sampling_mask", False)),  # 0.28+
         # ModelConfig's before the aux-output config existed (0.24 and older)
         "enable_return_routed_experts": bool(getattr(getattr(vllm_config, "aux_output_config", None) or mc,
