@@ -132,9 +132,11 @@ def nemo_engine_kwargs(nemo, monkeypatch, policy: dict) -> dict:
         monkeypatch.delenv(var, raising=False)
     model = build_tiny_model()
     generation = policy["generation"]
+    # NeMo RL's own example (examples/configs/grpo_math_1B.yaml: CUDA graphs, enforce_eager False), but the
+    # tiny model's length; the recipe's vllm_cfg on top
     vllm_cfg = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 1,
-                "gpu_memory_utilization": 0.5, "max_model_len": 256, "skip_tokenizer_init": False,
-                "precision": "bfloat16", "load_format": "auto", "enforce_eager": True,
+                "gpu_memory_utilization": 0.6, "max_model_len": 256, "skip_tokenizer_init": False,
+                "precision": "bfloat16", "load_format": "auto", "enforce_eager": False,
                 "async_engine": False, "kv_cache_dtype": "auto", **generation.get("vllm_cfg", {})}
     vllm_kwargs = dict(generation.get("vllm_kwargs", {}))
     vllm_kwargs["hf_overrides"] = policy.get("hf_config_overrides", {})  # grpo.py's setup does this
@@ -167,6 +169,7 @@ def test_nemo_rls_engine_with_the_recipe_is_one_vllm_builds_on_a_gpu(nemo, monke
     assert resolved["logprobs_mode"] == "processed_logprobs" and resolved["async_scheduling"] is False
     assert resolved["enable_prefix_caching"] is (policy != "off")
     assert resolved["head_dtype"] == resolved["dtype"]
+    assert not resolved["enforce_eager"] and resolved["cudagraph_mode"] != "NONE"  # the compiled engine users run
 
 
 def test_recipe_through_nemo_rls_own_engine_assembly(nemo, monkeypatch):
