@@ -515,6 +515,45 @@ def test_logits_through_nemo_prepare_loss_input(nemo, case):
     assert bool(their_grad.abs().sum() > 0) and our_metrics == their_metrics
 
 
+@pytest.mark.parametrize("case", ["tis_floor_dual_clip_kl", "kl_k3"])
+def test_sampler_filtered_logprobs_through_nemo_prepare_loss_input(nemo, case):
+    """With the rollout's top-k/top-p (``TrainingSamplingParams``), NeMo RL's ``prepare_loss_input`` filters the
+    trainer's logits itself, masks what it filtered out of ``curr_logprobs`` and, for a loss with a KL penalty
+    (read off the loss object, ``reference_policy_kl_penalty``), adds the unfiltered logprobs: the wrapper hands
+    all of it to NeMo RL's loss (flags null), same loss and gradient. One sequence: NeMo RL's plain-tensor path
+    views the logits without their last position, which only a single sequence leaves contiguous (its workers
+    hand DTensor or vocab-parallel logits)."""
+    utils = nemo.load("nemo_rl.algorithms.loss.utils")
+    params = nemo.load("nemo_rl.algorithms.logits_sampling_utils").TrainingSamplingParams(top_k=30, top_p=0.9)
+    g = torch.Generator().manual_seed(4)
+    S, V = 9, 40
+    input_ids = torch.randint(0, V, (1, S), generator=g)
+    base = torch.randn(1, S, V, generator=g) * 3
+    lp = torch.log_softmax(base, -1)[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    prev = torch.cat([torch.zeros(1, 1), lp + 0.05 * torch.randn(1, S - 1, generator=g)], 1)
+    data = dict(input_ids=input_ids, prev_logprobs=prev, generation_logprobs=prev + 0.1,
+                token_mask=torch.cat([torch.zeros(1, 1), torch.ones(1, S - 1)], 1),
+                advantages=torch.full((1, S), 0.7), sample_mask=torch.ones(1), reference_policy_logprobs=prev - 0.1)
+    keys = NEMO_CASES[case]
+    results = []
+    for loss_fn in (nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys)), ours_from(keys)):
+        logits = base.clone().requires_grad_(True)
+        batch = nemo.BatchedDataDict({k: v.clone() for k, v in data.items()})
+        with cpu_cuda():
+            loss_input, batch = utils.prepare_loss_input(logits, batch, loss_fn, sampling_params=params)
+        loss, metrics = loss_fn(data=batch, global_valid_seqs=torch.tensor(1.0),
+                                global_valid_toks=batch["token_mask"][:, 1:].sum(), **loss_input)
+        loss.backward()
+        results.append((loss.detach(), logits.grad, metrics, "curr_logprobs_unfiltered" in batch,
+                        loss_input["next_token_logprobs"].detach()))
+    (theirs, their_grad, their_metrics, their_unfiltered, filtered), (ours, our_grad, our_metrics, our_unfiltered,
+                                                                      _) = results
+    assert our_unfiltered == their_unfiltered == (keys.get("reference_policy_kl_penalty", 0) != 0)
+    assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad) and our_metrics == their_metrics
+    assert bool(their_grad.abs().sum() > 0)
+    assert (filtered - lp).abs().max() > 1e-3  # the filter ran: renormalised over the kept set
+
+
 def test_fused_linear_logprobs_reach_the_wrapper_through_nemos_code(nemo):
     """Main's Megatron ``use_fused_linear_logprobs``: setup() passes the flag to the loss, and
     ``prepare_loss_input`` (and the sequence-packing wrapper) read it off the loss object to hand
