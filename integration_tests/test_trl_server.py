@@ -8,7 +8,8 @@ prefix-cache reset over HTTP, our weights in TRL's channel, the diagnostics in T
 weights over vLLM's NCCL weight-transfer engine, which needs CUDA; TRL's ``init_communicator`` runs up to its
 refusal of a CPU device (its check of the server's weight-transfer engine included) and ``update_named_params``
 is recorded (``support/trl_server.py``).
-A second server with vLLM's defaults (raw logprobs, prefix caching on) is refused by name.
+A server with vLLM's defaults and TRL's weight-transfer engine (raw logprobs, prefix caching on) is refused by
+name; one without that engine is refused by TRL itself.
 The weight-sync check runs in server mode too (the probe generated through TRL's client): quiet on the
 first sync, when the server still holds the trainer's weights, and a ``WeightSyncError`` on the sync
 after an optimizer step, which the stubbed transfer never delivers (a stale server).

@@ -17,7 +17,6 @@ requires prefix caching"), and the sync check's probe asked an engine with sampl
 from __future__ import annotations
 
 import itertools
-import shlex
 
 import pytest
 
@@ -133,14 +132,9 @@ def test_serve_flags_of_the_recipe_are_a_server_vllm_builds(dense, fp32_lm_head,
 def test_trl_vllm_serve_command_through_trls_own_command_builder(dense, fp32_lm_head, policy):
     """``server_command`` -> TRL's ``vllm-serve`` parser and ``build_command`` -> vLLM's ``serve``."""
     need("trl", extra="trl")
-    from trl.scripts.vllm_serve import build_command, make_parser
+    from integration_tests.support.trl_server import trl_vllm_serve_command
 
-    from rollout_parity.adapters.trl import server_command
-
-    words = shlex.split(server_command(dense, fp32_lm_head=fp32_lm_head, prefix_cache_policy=policy))
-    assert words[:2] == ["trl", "vllm-serve"]
-    script_args, extra = make_parser().parse_args_and_config(args=words[2:], return_remaining_strings=True)
-    command = build_command(script_args, extra)
+    command = trl_vllm_serve_command(dense, fp32_lm_head=fp32_lm_head, prefix_cache_policy=policy)
     verdict = check_serve(command[command.index("serve"):])
     assert_accepted(verdict)
     _held(verdict.resolved, vllm_parity_kwargs(fp32_lm_head, policy))

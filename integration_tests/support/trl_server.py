@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 from .processes import openai_server
 
-__all__ = ["vllm_openai_server", "cpu_weight_transfer_stub", "trl_serve_args"]
+__all__ = ["vllm_openai_server", "cpu_weight_transfer_stub", "trl_serve_args", "trl_vllm_serve_command"]
 
 
 @contextlib.contextmanager
@@ -32,17 +32,23 @@ def vllm_openai_server(model: str, flags: Sequence[str], log: Path, timeout: flo
         yield url
 
 
-def trl_serve_args(model: str, **options) -> list[str]:
-    """What ``trl vllm-serve`` hands ``vllm serve`` for ``server_command(model, **options)`` (TRL's own parser and
-    ``build_command``: the recipe, and TRL's weight-transfer engine, logprobs mode and logprob cap), after
-    ``serve MODEL``, less ``--host``/``--port``: :func:`vllm_openai_server` binds 127.0.0.1 on a free port."""
+def trl_vllm_serve_command(model: str, **options) -> list[str]:
+    """The command ``trl vllm-serve`` runs for our ``server_command(model, **options)``: TRL's own parser and
+    ``build_command`` (the recipe, and TRL's weight-transfer engine, logprobs mode and logprob cap)."""
     from trl.scripts.vllm_serve import build_command, make_parser
 
     from rollout_parity.adapters.trl import server_command
 
     words = shlex.split(server_command(model, **options))
+    assert words[:2] == ["trl", "vllm-serve"], words
     script_args, extra = make_parser().parse_args_and_config(args=words[2:], return_remaining_strings=True)
-    command = build_command(script_args, extra)
+    return build_command(script_args, extra)
+
+
+def trl_serve_args(model: str, **options) -> list[str]:
+    """:func:`trl_vllm_serve_command`'s arguments after ``serve MODEL``, less ``--host``/``--port``:
+    :func:`vllm_openai_server` binds 127.0.0.1 on a free port."""
+    command = trl_vllm_serve_command(model, **options)
     rest, args = iter(command[command.index("serve") + 2:]), []
     for word in rest:
         if word in ("--host", "--port"):
