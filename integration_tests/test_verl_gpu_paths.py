@@ -123,6 +123,15 @@ def vllm_args():
     return _support("verl_vllm_args", json.dumps([FP8, [*FP8, conflict], {"gpu_argv": FP8_RUN}]))
 
 
+def _native_head_dtype() -> bool:
+    """Whether this vLLM's own config takes ``head_dtype`` (below, the plugin reads it off ``hf_config`` in the
+    engine's processes: ``rollout_parity.core.engine_head``)."""
+    from rollout_parity.core.vllm_features import installed_vllm_version, vllm_has
+
+    return vllm_has("head_dtype", installed_vllm_version())
+
+
+@pytest.mark.vllm  # also on verl's own vLLM (0.24) in the vLLM matrix
 def test_an_fp8_rollout_keeps_verls_quantization_config_and_gets_the_fp32_head(vllm_args):
     """Item 7: verl's own launch_server + vLLM's own create_engine_config."""
     result = vllm_args[0]
@@ -132,10 +141,12 @@ def test_an_fp8_rollout_keeps_verls_quantization_config_and_gets_the_fp32_head(v
     assert quant["ignored_layers"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     assert result["hf_overrides"]["head_dtype"] == "float32"
     assert result["quantization"] == "fp8" and result["quantization_config"] == quant
-    assert result["head_dtype"] == "float32" and result["model_head_dtype"] == "torch.float32"
+    assert result["head_dtype"] == "float32"  # on hf_config, where the plugin reads it before native support
+    assert (result["model_head_dtype"] == "torch.float32") is _native_head_dtype()
     assert result["logprobs_mode"] == "processed_logprobs" and result["enable_prefix_caching"] is False
 
 
+@pytest.mark.vllm
 def test_an_fp8_rollout_with_verls_gpu_defaults_is_a_server_vllm_builds_on_a_gpu(vllm_args):
     """The argv verl's launch_server builds for the fp8 rollout with sleep mode and CUDA graphs (verl's defaults),
     through vLLM's own validation on an H100 node's platform (``check_serve``)."""
@@ -147,10 +158,13 @@ def test_an_fp8_rollout_with_verls_gpu_defaults_is_a_server_vllm_builds_on_a_gpu
     assert_accepted(verdict)
     resolved = verdict.resolved
     assert resolved["platform"] == "GpuUserPlatform" and resolved["quantization"] == "fp8"
-    assert resolved["head_dtype"] == "float32" and resolved["logprobs_mode"] == "processed_logprobs"
+    assert (resolved["head_dtype"] == "float32") is _native_head_dtype()
+    assert '"head_dtype": "float32"' in argv[argv.index("--hf_overrides") + 1]  # what the plugin reads otherwise
+    assert resolved["logprobs_mode"] == "processed_logprobs"
     assert not resolved["enforce_eager"] and not resolved["enable_prefix_caching"]
 
 
+@pytest.mark.vllm
 def test_an_hf_override_that_contradicts_verls_own_is_refused_by_name(vllm_args):
     error = vllm_args[1]["error"]
     assert error.startswith("ValueError: actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.quantization_config="), \
