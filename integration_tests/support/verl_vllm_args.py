@@ -19,7 +19,7 @@ Run in its own process: verl's fp8 rollout installs its vLLM patches process-wid
 after ``configure_verl`` with the job's runtime env, as verl's ``run_ppo`` starts it, and stopped after each run;
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps it and the ports verl's server reserves on 127.0.0.1.
 
-    python -m integration_tests.support.verl_vllm_args '<JSON list of runs, each a list of Hydra overrides>'
+    python -m integration_tests.support.verl_vllm_args '<JSON list of runs: each Hydra overrides, or {"gpu_argv": ...}>'
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import os
 import sys
 
 
-def main(runs: list[list[str]]) -> list[dict]:
+def main(runs: list) -> list[dict]:
     from .verl_cpu import ENV, install
 
     os.environ.update(ENV, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
@@ -38,40 +38,39 @@ def main(runs: list[list[str]]) -> list[dict]:
     return [_gpu_argv(run["gpu_argv"]) if isinstance(run, dict) else _run(run) for run in runs]
 
 
-def _gpu_argv(overrides: list[str]) -> dict:
+def _compose(overrides: list[str]):
+    """verl's ``ppo_trainer`` config on the tiny model, vLLM as the rollout, with ``overrides``."""
     from hydra import compose, initialize_config_dir
     from verl.trainer.ppo import core_algos
 
-    from rollout_parity.adapters import verl as adapter
     from rollout_parity.testing.tiny_model import build_tiny_model
-
-    from .verl_vllm_server import verl_serve_argv
 
     config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=[
+        return compose(config_name="ppo_trainer", overrides=[
             f"actor_rollout_ref.model.path={build_tiny_model()}", "actor_rollout_ref.rollout.name=vllm", *overrides])
+
+
+def _gpu_argv(overrides: list[str]) -> dict:
+    from rollout_parity.adapters import verl as adapter
+
+    from .verl_vllm_server import verl_serve_argv
+
+    config = _compose(overrides)
     adapter.configure_verl(config)
     return {"argv": verl_serve_argv(config)}
 
 
 def _run(overrides: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-    from verl.trainer.ppo import core_algos
     from verl.workers.rollout.replica import RolloutMode
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
 
     from rollout_parity.adapters import verl as adapter
-    from rollout_parity.testing.tiny_model import build_tiny_model
 
-    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={build_tiny_model()}", "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.max_model_len=256",
-            "actor_rollout_ref.rollout.max_num_batched_tokens=256", *overrides])
+    config = _compose(["actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.max_model_len=256",
+                       "actor_rollout_ref.rollout.max_num_batched_tokens=256", *overrides])
     import ray
     from omegaconf import OmegaConf
 
