@@ -124,11 +124,12 @@ def vllm_args():
 
 
 def _native_head_dtype() -> bool:
-    """Whether this vLLM's own config takes ``head_dtype`` (below, the plugin reads it off ``hf_config`` in the
-    engine's processes: ``rollout_parity.core.engine_head``)."""
-    from rollout_parity.core.vllm_features import installed_vllm_version, vllm_has
+    """Whether this vLLM's own config takes ``head_dtype``: the plugin's own test (where it does not, the plugin
+    patches the head in the engine's processes from ``hf_config.head_dtype``)."""
+    from rollout_parity.adapters.vllm.plugin import needs_fp32_head_patch
+    from rollout_parity.core.vllm_features import installed_vllm_version
 
-    return vllm_has("head_dtype", installed_vllm_version())
+    return not needs_fp32_head_patch(installed_vllm_version())
 
 
 @pytest.mark.vllm  # also on verl's own vLLM (0.24) in the vLLM matrix
