@@ -38,8 +38,11 @@ def _broken(x_ptr, N: triton.language.constexpr):
     triton.language.store(x_ptr + offs, triton.language.load(x_ptr + offs) + undefined_name)  # noqa: F821
 
 
+BROKEN = ("broken", _broken, {"x_ptr": "*fp32"}, {"N": 16}, 4)  # a variant as compile_kernels.variants() gives one
+
+
 def test_a_kernel_that_does_not_compile_is_named_and_fails_the_run(monkeypatch, capsys):
-    monkeypatch.setattr(compile_kernels, "variants", lambda: [("broken", _broken, {"x_ptr": "*fp32"}, {"N": 16}, 4)])
+    monkeypatch.setattr(compile_kernels, "variants", lambda: [BROKEN])
     assert compile_kernels.main(["--targets", "90"]) == 1
     out = capsys.readouterr().out
     assert "kernel=broken error=" in out and "ok=False" in out
@@ -48,8 +51,7 @@ def test_a_kernel_that_does_not_compile_is_named_and_fails_the_run(monkeypatch, 
 
 def test_only_compiles_the_variants_it_names(monkeypatch, capsys):
     bound = next(v for v in compile_kernels.variants() if v[0].replace(" ", "") == "kept_candidates+bound")
-    monkeypatch.setattr(compile_kernels, "variants",
-                        lambda: [("broken", _broken, {"x_ptr": "*fp32"}, {"N": 16}, 4), bound])
+    monkeypatch.setattr(compile_kernels, "variants", lambda: [BROKEN, bound])
     assert compile_kernels.main(["--targets", "90", "--only", "bound"]) == 0  # the broken one is left out
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("KERNEL_COMPILE triton=")]
     assert len(lines) == 1 and "kernel=kept_candidates+bound" in lines[0], lines

@@ -45,13 +45,12 @@ def main(preset: str) -> dict:
 
     import torch
     import transformers
-    from hydra import compose, initialize_config_dir
-    from verl.trainer.ppo import core_algos
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 
     from rollout_parity import CorrectionConfig, compute_correction, policy_loss
     from rollout_parity.adapters import verl as adapter
+    from rollout_parity.check.verl_checks import compose_verl
     from rollout_parity.core.fp32_head import apply_fp32_lm_head, is_fp32_lm_head, revert_fp32_lm_head
     from rollout_parity.testing.tiny_model import build_tiny_model
 
@@ -62,21 +61,18 @@ def main(preset: str) -> dict:
         cfg = cfg.replace(rollout_rejection_threshold=0.02)  # rejects some sequences of this batch
     adapter.set_active_config(cfg)
 
-    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.actor.strategy=fsdp2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.model.use_remove_padding=false",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
-            "actor_rollout_ref.actor.optim.optimizer=SGD", f"actor_rollout_ref.actor.optim.lr={LR}",
-            "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.actor.optim.clip_grad=1e9",
-            "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_kl_loss=false",
-            # one log-prob micro-batch: one hidden capture
-            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={len(PROMPT_LENS)}",
-        ])
+    config = compose_verl(
+        f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+        "actor_rollout_ref.actor.optim.optimizer=SGD", f"actor_rollout_ref.actor.optim.lr={LR}",
+        "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.actor.optim.clip_grad=1e9",
+        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_kl_loss=false",
+        # one log-prob micro-batch: one hidden capture
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={len(PROMPT_LENS)}", base=False)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     actor_config, worker = training_worker(config)
     engine, module = worker.engine, worker.engine.module

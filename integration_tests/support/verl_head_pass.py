@@ -63,16 +63,12 @@ def _overrides(opts: dict, path: str) -> list[str]:
 
 def _build(opts: dict, path: str):
     """verl's config, validated by the adapter, and verl's actor built from it as ActorRolloutRefWorker does."""
-    from hydra import compose, initialize_config_dir
-    from verl.trainer.ppo import core_algos
-
     from rollout_parity.adapters import verl as adapter
+    from rollout_parity.check.verl_checks import compose_verl
 
     from .verl_actor_build import training_worker
 
-    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=_overrides(opts, path))
+    config = compose_verl(*_overrides(opts, path), base=False)
     adapter.configure_verl(config)  # the driver's validation and flags (refusals raise here)
     return config, training_worker(config)[1]
 

@@ -40,15 +40,11 @@ def main(runs: list) -> list[dict]:
 
 def _compose(overrides: list[str]):
     """verl's ``ppo_trainer`` config on the tiny model, vLLM as the rollout, with ``overrides``."""
-    from hydra import compose, initialize_config_dir
-    from verl.trainer.ppo import core_algos
-
+    from rollout_parity.check.verl_checks import compose_verl
     from rollout_parity.testing.tiny_model import build_tiny_model
 
-    config_dir = os.path.abspath(os.path.join(os.path.dirname(core_algos.__file__), "..", "config"))
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={build_tiny_model()}", "actor_rollout_ref.rollout.name=vllm", *overrides])
+    return compose_verl(f"actor_rollout_ref.model.path={build_tiny_model()}", "actor_rollout_ref.rollout.name=vllm",
+                        *overrides, base=False)
 
 
 def _gpu_argv(overrides: list[str]) -> dict:
