@@ -485,7 +485,6 @@ def test_logits_through_nemo_prepare_loss_input(nemo, case):
     """From logits: NeMo RL's own ``prepare_loss_input`` (``algorithms/loss/utils.py``) turns
     them into next-token logprobs for the wrapper, as its workers do, and the gradient reaches
     the logits as for NeMo RL's own loss (flags null) and as the core's (flags set)."""
-    prepare = nemo.load("nemo_rl.algorithms.loss.utils").prepare_loss_input
     g = torch.Generator().manual_seed(3)
     B, S, V = 6, 9, 40
     input_ids = torch.randint(0, V, (B, S), generator=g)
@@ -498,21 +497,29 @@ def test_logits_through_nemo_prepare_loss_input(nemo, case):
     data = dict(input_ids=input_ids, prev_logprobs=prev, generation_logprobs=gen, token_mask=token_mask,
                 advantages=torch.tensor([1.0, -0.5, 0.3, 0.8, -1.2, 0.4])[:, None].expand(B, S).clone(),
                 sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0]), reference_policy_logprobs=prev - 0.1)
-    keys = NEMO_CASES[case]
-    results = []
+    theirs, ours = _through_prepare_loss_input(nemo, NEMO_CASES[case], base, data)
+    assert torch.equal(ours["loss"], theirs["loss"]) and torch.equal(ours["grad"], theirs["grad"])
+    assert bool(theirs["grad"].abs().sum() > 0) and ours["metrics"] == theirs["metrics"]
+
+
+def _through_prepare_loss_input(nemo, keys: dict, base, data: dict, **prepare_kwargs) -> tuple[dict, dict]:
+    """NeMo RL's own loss and ours (flags null) each from the logits ``base`` through NeMo RL's
+    ``prepare_loss_input``, a loss call and its backward: loss, logits' gradient, metrics, the batch the loss got
+    and its ``next_token_logprobs``."""
+    prepare = nemo.load("nemo_rl.algorithms.loss.utils").prepare_loss_input
+    out = []
     for loss_fn in (nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys)), ours_from(keys)):
         logits = base.clone().requires_grad_(True)
         batch = nemo.BatchedDataDict({k: v.clone() for k, v in data.items()})
         with cpu_cuda():  # it moves the token ids to the GPU
-            loss_input, batch = prepare(logits, batch, loss_fn)
+            loss_input, batch = prepare(logits, batch, loss_fn, **prepare_kwargs)
         gvs = batch["sample_mask"].sum()
         gvt = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum()
         loss, metrics = loss_fn(data=batch, global_valid_seqs=gvs, global_valid_toks=gvt, **loss_input)
         loss.backward()
-        results.append((loss.detach(), logits.grad, metrics))
-    (theirs, their_grad, their_metrics), (ours, our_grad, our_metrics) = results
-    assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad)
-    assert bool(their_grad.abs().sum() > 0) and our_metrics == their_metrics
+        out.append(dict(loss=loss.detach(), grad=logits.grad, metrics=metrics, batch=batch,
+                        logprobs=loss_input["next_token_logprobs"].detach()))
+    return out[0], out[1]
 
 
 @pytest.mark.parametrize("case", ["tis_floor_dual_clip_kl", "kl_k3"])
@@ -523,7 +530,6 @@ def test_sampler_filtered_logprobs_through_nemo_prepare_loss_input(nemo, case):
     all of it to NeMo RL's loss (flags null), same loss and gradient. One sequence: NeMo RL's plain-tensor path
     views the logits without their last position, which only a single sequence leaves contiguous (its workers
     hand DTensor or vocab-parallel logits)."""
-    utils = nemo.load("nemo_rl.algorithms.loss.utils")
     params = nemo.load("nemo_rl.algorithms.logits_sampling_utils").TrainingSamplingParams(top_k=30, top_p=0.9)
     g = torch.Generator().manual_seed(4)
     S, V = 9, 40
@@ -535,23 +541,12 @@ def test_sampler_filtered_logprobs_through_nemo_prepare_loss_input(nemo, case):
                 token_mask=torch.cat([torch.zeros(1, 1), torch.ones(1, S - 1)], 1),
                 advantages=torch.full((1, S), 0.7), sample_mask=torch.ones(1), reference_policy_logprobs=prev - 0.1)
     keys = NEMO_CASES[case]
-    results = []
-    for loss_fn in (nemo.ClippedPGLossFn(nemo.ClippedPGLossConfig(**keys)), ours_from(keys)):
-        logits = base.clone().requires_grad_(True)
-        batch = nemo.BatchedDataDict({k: v.clone() for k, v in data.items()})
-        with cpu_cuda():
-            loss_input, batch = utils.prepare_loss_input(logits, batch, loss_fn, sampling_params=params)
-        loss, metrics = loss_fn(data=batch, global_valid_seqs=torch.tensor(1.0),
-                                global_valid_toks=batch["token_mask"][:, 1:].sum(), **loss_input)
-        loss.backward()
-        results.append((loss.detach(), logits.grad, metrics, "curr_logprobs_unfiltered" in batch,
-                        loss_input["next_token_logprobs"].detach()))
-    (theirs, their_grad, their_metrics, their_unfiltered, filtered), (ours, our_grad, our_metrics, our_unfiltered,
-                                                                      _) = results
-    assert our_unfiltered == their_unfiltered == (keys.get("reference_policy_kl_penalty", 0) != 0)
-    assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad) and our_metrics == their_metrics
-    assert bool(their_grad.abs().sum() > 0)
-    assert (filtered - lp).abs().max() > 1e-3  # the filter ran: renormalised over the kept set
+    theirs, ours = _through_prepare_loss_input(nemo, keys, base, data, sampling_params=params)
+    unfiltered = [("curr_logprobs_unfiltered" in x["batch"]) for x in (theirs, ours)]
+    assert unfiltered == [keys.get("reference_policy_kl_penalty", 0) != 0] * 2
+    assert torch.equal(ours["loss"], theirs["loss"]) and torch.equal(ours["grad"], theirs["grad"])
+    assert ours["metrics"] == theirs["metrics"] and bool(theirs["grad"].abs().sum() > 0)
+    assert (theirs["logprobs"] - lp).abs().max() > 1e-3  # the filter ran: renormalised over the kept set
 
 
 def test_fused_linear_logprobs_reach_the_wrapper_through_nemos_code(nemo):
