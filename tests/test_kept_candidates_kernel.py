@@ -47,33 +47,38 @@ SCRIPT = textwrap.dedent('''
 
     # 1. the candidates alone, against their contract
     z = logits.clone()
-    lp_y, lse, peak = (torch.empty(N) for _ in range(3))
-    row_logprob_entropy(z, ids, T, lp_y, None, lse, peak)
-    lp = z.div(torch.full((1,), T)) - lse[:, None]  # the values the kernels read
+    lp_y, rowmax, logsum = (torch.empty(N) for _ in range(3))
+    row_logprob_entropy(z, ids, T, lp_y, None, rowmax, logsum)
+    peak = -logsum
+    lp = (z.div(torch.full((1,), T)) - rowmax[:, None]) - logsum[:, None]  # the values the kernels read
     report["lp_y_vs_gather"] = float((lp_y - lp.gather(1, ids[:, None]).squeeze(1)).abs().max())
     report["peak_vs_max"] = float((peak - lp.amax(-1)).abs().max())
     thresholds = [peak - GAP0 * RATIO ** j for j in range(32)]
     checks = {}
-    for name, kw in (("mass", dict(mass=0.9)), ("count", dict(count=40)), ("bound", dict(bound=math.log(0.05)))):
+    reads = {}
+    for name, kw in (("mass", dict(mass=0.9)), ("count", dict(count=40)), ("bound", dict(bound=math.log(0.05))),
+                     ("count+bound", dict(count=40, bound=math.log(0.05))), ("mass, unreachable", dict(mass=0.99))):
         out = torch.full((N, CAP), float("-inf"))
         count = torch.zeros(N, dtype=torch.int32)
         open_rows = torch.ones(N, dtype=torch.bool)
         open_rows[1] = False
-        kept_candidates(z, T, lse, peak, open_rows, out, count, **kw)
+        kept_candidates(z, T, rowmax, logsum, open_rows, out, count, **kw)
         ok, narrowed, over = True, 0, 0
         for i in range(N):
             n = int(count[i])
             if not open_rows[i]:
                 ok &= n == -1 and bool(torch.isneginf(out[i]).all())
                 continue
-            if name == "bound":  # the threshold as the kernel forms it, in float32
-                t_i = float(peak[i] + torch.tensor(kw["bound"], dtype=torch.float32))
-            else:  # the first threshold that covers, read naively in float64
-                row = lp[i].double()
-                covering = [float(t[i]) for t in thresholds
-                            if (row >= float(t[i])).sum() >= kw.get("count", math.inf)
-                            or row[row >= float(t[i])].exp().sum() >= kw.get("mass", math.inf)]
-                t_i = covering[0] if covering else None
+            bound_i = float(peak[i] + torch.tensor(kw.get("bound", math.nan), dtype=torch.float32))  # as in float32
+            row = lp[i].double()
+            covering = [float(t[i]) for t in thresholds  # the first threshold that covers, read naively in float64
+                        if (row >= float(t[i])).sum() >= kw.get("count", math.inf)
+                        or row[row >= float(t[i])].exp().sum() >= kw.get("mass", math.inf)]
+            t_i = covering[0] if covering else None
+            if "bound" in kw:  # min-p's survivors lie above its bound too: the higher threshold
+                t_i = bound_i if t_i is None else max(t_i, bound_i)
+            if "mass" in kw and kw["mass"] > (CAP - 1) * math.exp(float(peak[i])):
+                t_i = None  # CAP - 1 entries of at most the peak's mass cannot reach it: the row is not read
             above = None if t_i is None else int((lp[i] >= t_i).sum())
             want = -1 if above is None or above >= CAP else above
             over += above is not None and above >= CAP
@@ -92,14 +97,14 @@ SCRIPT = textwrap.dedent('''
     zt = torch.full((3, 1100), -50.0)
     zt[:, [100, 250, 1050]] = torch.tensor([0.0, -0.28125, -0.25])
     zt[2, 1080] = -2.0  # the bound's row: peak + (-2) is -2 exactly
-    zeros, peaks = torch.zeros(3), torch.zeros(3)
+    zeros, logsums = torch.zeros(3), torch.zeros(3)  # m = 0 and log s = 0: the values are the logits, peak 0
     at_edge = {}
     for i, (name, kw) in enumerate((("mass", dict(mass=1.5)), ("count", dict(count=2)), ("bound", dict(bound=-2.0)))):
         out = torch.full((3, CAP), float("-inf"))
         count = torch.zeros(3, dtype=torch.int32)
         open_rows = torch.zeros(3, dtype=torch.bool)
         open_rows[i] = True
-        kept_candidates(zt, 1.0, zeros, peaks, open_rows, out, count, **kw)
+        kept_candidates(zt, 1.0, zeros, logsums, open_rows, out, count, **kw)
         at_edge[name] = out[i, :max(int(count[i]), 0)].tolist()
     report["at_edge"] = at_edge
 
@@ -120,14 +125,20 @@ SCRIPT = textwrap.dedent('''
     sampler._processed_chunk = counting
     opened = []
 
-    def opening(z, temperature, lse, peak, open_rows, *args, **kwargs):  # the rows the candidates' kernel reads
+    def opening(z, temperature, rowmax, logsum, open_rows, *args, **kwargs):  # the rows the candidates' kernel reads
         opened.append(int(open_rows.sum()))
-        return kept_candidates(z, temperature, lse, peak, open_rows, *args, **kwargs)
+        return kept_candidates(z, temperature, rowmax, logsum, open_rows, *args, **kwargs)
 
     rows_out = []
     for rule in ("pytorch", "triton"):
         for st in (dict(top_p=0.9), dict(top_k=2), dict(top_k=50, top_p=0.9), dict(min_p=0.05, top_p=0.8),
-                   dict(top_p=0.4, keep_sampled=False), dict(top_k=20, kept_sets=kept_sets), dict(temperature=0.0)):
+                   dict(top_p=0.4, keep_sampled=False), dict(top_k=20, kept_sets=kept_sets), dict(temperature=0.0),
+                   # top-k's count with a min-p whose bound alone would take hundreds of entries per row
+                   dict(top_k=20, min_p=1e-9, top_p=0.95),
+                   # no cover can close: a top-k past the columns, top-p needing more than all the mass
+                   dict(top_k=300, top_p=0.9), dict(top_p=0.99995),
+                   # the documented "off" values of top-k
+                   dict(top_k=-1, top_p=0.9), dict(top_k=0, top_p=0.9), dict(top_k=1500, top_p=0.9)):
             st = dict(dict(temperature=T), **st)
             res = {}
             for label, kernels in (("torch", None), ("kernel", (row_logprob_entropy, opening))):
@@ -141,6 +152,7 @@ SCRIPT = textwrap.dedent('''
             fin = torch.isfinite(a.processed)
             rows_out.append(dict(
                 rule=rule, setting={n: v for n, v in st.items() if n != "kept_sets"}, replay="kept_sets" in st,
+                torch_hard_rows=res["torch"][1],
                 full=float((a.full - k.full).abs().max()),
                 processed=float((a.processed[fin] - k.processed[fin]).abs().max()) if fin.any() else 0.0,
                 same_finite=bool(torch.equal(fin, torch.isfinite(k.processed))),
@@ -169,6 +181,26 @@ SCRIPT = textwrap.dedent('''
                 sampler.sampler_logprobs_from_hidden(h[:20], w, ids[:20], bias=b, chunk_size=10, temperature=T, **st)
             reads[f"{label} {name}"] = sum(counts.values()) - inside[0]
     report["reads"] = reads
+
+    # 4. the candidates' kernel failing to launch beside a working row kernel: the open rows take torch's path
+    import warnings
+    from rollout_parity.core import kernel_launch
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_120")
+
+    st = dict(temperature=T, top_k=50, top_p=0.9, chunk_size=10)
+    sampler._row_kernels = lambda device, top_k: None
+    ref = sampler.sampler_logprobs_from_hidden(h, w, ids, bias=b, **st)
+    sampler._row_kernels = lambda device, top_k: (row_logprob_entropy, failing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = sampler.sampler_logprobs_from_hidden(h, w, ids, bias=b, **st)
+    report["candidates_fail"] = dict(
+        processed=float((ref.processed - got.processed).abs().max()), full=float((ref.full - got.full).abs().max()),
+        same_outside=bool(torch.equal(ref.outside_mask, got.outside_mask)),
+        warnings=[str(x.message) for x in caught if issubclass(x.category, kernel_launch.KernelFallbackWarning)],
+        failed=[list(k) for k in kernel_launch.failed_launches()])
     print("REPORT " + json.dumps(report))
 ''')
 
@@ -189,7 +221,7 @@ def test_the_row_kernel_returns_the_log_sum_exp_and_the_largest_log_probability(
     assert report["peak_vs_max"] == 0.0
 
 
-@pytest.mark.parametrize("cover", ["mass", "count", "bound"])
+@pytest.mark.parametrize("cover", ["mass", "count", "bound", "count+bound", "mass, unreachable"])
 def test_candidates_are_every_entry_above_the_first_covering_threshold(report, cover):
     check = report["candidates"][cover]
     assert check["ok"], check
@@ -197,6 +229,8 @@ def test_candidates_are_every_entry_above_the_first_covering_threshold(report, c
     assert check["narrowed"] >= 15, check
     if cover == "bound":
         assert check["over_cap"] > 0, check  # flat rows hold hundreds above min-p's bound: reported, not written
+    if cover == "count+bound":  # top-k's threshold lies above min-p's bound on those flat rows: nothing over the cap
+        assert check["over_cap"] < report["candidates"]["bound"]["over_cap"], check
 
 
 def test_an_entry_exactly_on_the_threshold_is_a_candidate(report):
@@ -223,22 +257,37 @@ def test_the_kernels_settle_the_rows_a_sort_is_not_needed_for(report):
         elif s.get("top_k") == 2 and rule == "triton":
             # three tokens tie at the top: the kernel keeps two of them by id, so tied rows take the sorting path
             assert row["kernel_hard_rows"] > 0, row
+        elif s.get("top_k") == 300 or s.get("top_p") == 0.99995:
+            # no cover can close: the candidates' kernel is not launched, the open rows take torch's path one by one
+            assert row["kernel_open_rows"] == 0 and row["kernel_hard_rows"] > 8, row
         else:
+            # with top-k 20 and min-p 1e-9 too: top-k's threshold narrows the row (min-p's bound alone holds hundreds)
             # only the 8 flat rows (a nucleus of hundreds of tokens) may go past the candidates
             assert row["kernel_hard_rows"] <= 8, row
 
 
-def test_the_pass_takes_the_kernels_on_cuda_only_and_for_a_top_k_their_columns_hold():
+def test_the_pass_takes_the_kernels_on_cuda_only_and_a_cover_only_where_it_can_close(monkeypatch):
+    import math
+
     import torch
 
-    from rollout_parity.core.sampler import _row_kernels
+    from rollout_parity.core import sampler
     from rollout_parity.kernels.kept_candidates import CAP
 
-    assert _row_kernels(torch.device("cpu"), None) is None  # CPU: torch's passes (Triton has no CPU backend)
-    kernels = _row_kernels(torch.device("cuda"), None)  # chosen by the device alone, nothing launched here
+    assert sampler._row_kernels(torch.device("cpu"), None) is None  # CPU: torch's passes (no CPU backend)
+    kernels = sampler._row_kernels(torch.device("cuda"), None)  # chosen by the device alone, nothing launched here
     assert [k.__name__ for k in kernels] == ["row_logprob_entropy", "kept_candidates"]
-    assert _row_kernels(torch.device("cuda"), CAP - 2) is not None
-    assert _row_kernels(torch.device("cuda"), CAP - 1) is None  # k + 1 candidates would not fit
+    assert sampler._row_kernels(torch.device("cuda"), CAP + 50) is not None  # the row kernel still reads the chunk
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)  # a ROCm build calls its GPUs "cuda"
+    assert sampler._row_kernels(torch.device("cuda"), None) is None
+
+    cover = sampler._candidate_cover
+    assert cover(CAP - 2, 1.0, 0.0, CAP) == dict(count=CAP - 2)
+    assert cover(CAP - 1, 0.9, 0.0, CAP) is None  # k + 1 candidates would not fit: those rows go to torch's path
+    assert cover(20, 1.0, 0.05, CAP) == dict(count=20, bound=math.log(0.05) - 1e-3)  # the higher threshold of both
+    assert cover(None, 0.9, 0.05, CAP) == dict(bound=math.log(0.05) - 1e-3)
+    assert cover(None, 0.9, 0.0, CAP)["mass"] > 0.9
+    assert cover(None, 0.9999, 0.0, CAP) is None  # the mass it needs, with the float32 margin, exceeds 1
 
 
 def test_the_pass_through_the_kernels_reads_back_once_per_chunk(report):
@@ -272,6 +321,13 @@ def test_the_candidates_kernel_reads_only_the_rows_still_open(report):
     assert opened("triton", top_p=0.4, keep_sampled=False) == rows
 
 
+def test_a_candidates_kernel_that_fails_to_launch_leaves_its_rows_to_torchs_path(report):
+    got = report["candidates_fail"]
+    assert got["processed"] < 2e-5 and got["full"] < 2e-5 and got["same_outside"], got  # the row kernel still ran
+    assert len(got["warnings"]) == 1 and "kept_candidates+count failed to launch" in got["warnings"][0], got
+    assert got["failed"] == [["cpu", "kept_candidates+count"]], got
+
+
 def test_the_kernels_refuse_buffers_they_cannot_write_before_launching():
     import torch
 
@@ -279,8 +335,12 @@ def test_the_kernels_refuse_buffers_they_cannot_write_before_launching():
     from rollout_parity.kernels.row_logsumexp import row_logprob_entropy
 
     z, ids, rows = torch.zeros(3, 50), torch.zeros(3, dtype=torch.long), torch.zeros(3)
-    with pytest.raises(ValueError, match="lse_out and peak_out together"):
+    with pytest.raises(ValueError, match="rowmax_out and logsum_out together"):
         row_logprob_entropy(z, ids, 1.0, rows.clone(), None, rows.clone())
+    with pytest.raises(ValueError, match="token_ids must be int64"):
+        row_logprob_entropy(z, ids.int(), 1.0, rows.clone())
+    with pytest.raises(ValueError, match="outputs must be contiguous float32"):
+        row_logprob_entropy(z, ids, 1.0, torch.zeros(3, 2)[:, 0])
     good = dict(out=torch.zeros(3, CAP), count_out=torch.zeros(3, dtype=torch.int32))
     cover = dict(mass=0.9)
     for bad, match in ((dict(out=torch.zeros(3, CAP - 1)), "out must be a contiguous float32"),
@@ -291,7 +351,7 @@ def test_the_kernels_refuse_buffers_they_cannot_write_before_launching():
         with pytest.raises(ValueError, match=match):
             kept_candidates(args["z"], 1.0, rows, rows, torch.ones(3, dtype=torch.bool), args["out"],
                             args["count_out"], **cover)
-    for covers in ({}, dict(mass=0.9, count=3)):  # exactly one cover
-        with pytest.raises(ValueError, match="exactly one of mass=, count=, bound="):
+    for covers in ({}, dict(mass=0.9, count=3), dict(mass=0.9, bound=-3.0)):  # mass alone, or count and/or bound
+        with pytest.raises(ValueError, match="pass mass= alone, or count= and/or bound="):
             kept_candidates(z, 1.0, rows, rows, torch.ones(3, dtype=torch.bool), good["out"], good["count_out"],
                             **covers)

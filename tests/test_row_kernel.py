@@ -46,6 +46,25 @@ SCRIPT = textwrap.dedent('''
                     float((ent + (ref.exp() * ref).sum(-1)).abs().max()))
     print(f"KERNEL_VS_TORCH {worst:.3e}")
 
+    # token ids as users pass them (a column of a (rows, 2) batch tensor: stride 2) and large logits (|z| ~ 3,000),
+    # against float64 of the same float32 logits z / T, relative to each value's float32 spacing
+    V, T = 3001, 0.5
+    z = torch.randn(6, V, generator=g) * 5
+    z[2:4] = 1500 + z[2:4] * 0.4  # logits near 3,000 after T, many of them near the top: log s ~ 5
+    pair = torch.randint(0, V, (6, 2), generator=g)
+    pair[2:4, 0] = z[2:4].argsort(-1)[:, -3]  # near the top of the large rows, as a sampled token is
+    ids = pair[:, 0]
+    lp, ent = torch.empty(6), torch.empty(6)
+    row_logprob_entropy(z, ids, T, lp, ent)
+    x64 = (z / torch.full((6, 1), T)).double()
+    ref = x64.log_softmax(-1)
+    want = ref.gather(1, ids[:, None].contiguous()).squeeze(1)
+    units = (lp.double() - want).abs() / (want.abs() + 1) / 2 ** -23
+    h = -(ref.exp() * ref).sum(-1)
+    ent_units = (ent.double() - h).abs() / (h.abs() + 1) / 2 ** -23
+    print(f"STRIDED_LARGE_UNITS {float(units.max()):.3e}")
+    print(f"ENTROPY_LARGE_UNITS {float(ent_units.max()):.3e}")
+
     # inside the pass: the same chunks through the kernel (forced on CPU) and through torch's passes
     H, V, N = 32, 5000, 70
     h = torch.randn(N, H, generator=g)
@@ -76,6 +95,10 @@ def test_the_row_kernel_equals_torchs_log_softmax_alone_and_inside_the_pass():
     # GEMM-to-GEMM difference between devices is ~5e-5 (docs/data/gpu/gpu_check_h200.log)
     assert float(values["KERNEL_VS_TORCH"]) < 2e-5, values
     assert float(values["PASS_KERNEL_VS_TORCH"]) < 2e-5, values
+    # a strided column read as such, and (x - m) - log s: a few float32 spacings of the value (forming
+    # lse = m + log s first: 251 spacings here; reading ids + row instead of the stride: ~1e8)
+    assert float(values["STRIDED_LARGE_UNITS"]) < 16, values
+    assert float(values["ENTROPY_LARGE_UNITS"]) < 64, values
 
 
 def test_the_kernel_is_chosen_for_fp32_logits_on_cuda_only():

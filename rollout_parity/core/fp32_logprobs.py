@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from .head_matmul import HeadProjector, chunk_rows, exact_fp32_matmul
+from .kernel_launch import kernels_allowed, launch
 
 __all__ = ["chunked_fp32_logprobs", "DEFAULT_CHUNK_SIZE"]
 
@@ -81,9 +82,9 @@ def _softmax_rows_(z: torch.Tensor, log: bool) -> torch.Tensor:
 
 
 def _row_kernel(device: torch.device, cdtype: torch.dtype):
-    """The forward's one-pass row kernel (:mod:`rollout_parity.kernels.row_logsumexp`) for fp32 logits on CUDA
-    where Triton imports; None elsewhere (CPU, float64, no Triton): the torch passes then."""
-    if device.type != "cuda" or cdtype != torch.float32:
+    """The forward's one-pass row kernel (:mod:`rollout_parity.kernels.row_logsumexp`) for fp32 logits on an NVIDIA
+    CUDA device where Triton imports; None elsewhere (CPU, ROCm, float64, no Triton): the torch passes then."""
+    if not kernels_allowed(device) or cdtype != torch.float32:
         return None
     try:
         from ..kernels.row_logsumexp import row_logprob_entropy
@@ -112,14 +113,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
             ent = torch.empty(n, dtype=cdtype, device=dev) if want_entropy else None
             buf = torch.empty(rows, vocab, dtype=cdtype, device=dev)
             row_pass = _row_kernel(dev, cdtype)
+            variant = "row_logprob_entropy" + ("+entropy" if want_entropy else "")
             sub = max(1, -(-rows // 8))
-            scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev) if want_entropy and row_pass is None else None
+            scratch = None
             for s in range(0, n, rows):
                 e = min(s + rows, n)
                 if row_pass is not None:  # one read of the chunk: divide, reduce, gather (and the entropy)
-                    row_pass(head.logits_into(buf[: e - s], hidden[s:e], divide=False), token_ids[s:e], temperature,
-                             logp[s:e], ent[s:e] if want_entropy else None)
-                    continue
+                    z = head.logits_into(buf[: e - s], hidden[s:e], divide=False)
+                    if launch(variant, dev, row_pass, z, token_ids[s:e], temperature, logp[s:e],
+                              ent[s:e] if want_entropy else None):
+                        continue
+                    row_pass = None  # the launch failed (warned once): this chunk and the rest take torch's passes
+                if want_entropy and scratch is None:
+                    scratch = torch.empty(sub, vocab, dtype=cdtype, device=dev)
                 z = _softmax_rows_(head.logits_into(buf[: e - s], hidden[s:e]), log=True)  # log p
                 logp[s:e] = z.gather(1, token_ids[s:e, None]).squeeze(1)
                 if want_entropy:

@@ -80,6 +80,7 @@ import torch
 from .distributed import all_reduce
 from .fp32_logprobs import _softmax_rows_
 from .head_matmul import HeadProjector, chunk_rows, exact_fp32_matmul
+from .kernel_launch import kernels_allowed, launch
 from .kept_set import (_limit, _on_candidates, alone_holds_top_p, replayed_log_mass, replayed_log_mass_of,
                        settle_kept_sets)
 from .ratios import check_shapes
@@ -137,6 +138,11 @@ def _check_params(temperature: float, top_k: int | None, top_p: float, min_p: fl
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+
+
+def _top_k_on(top_k: int | None, vocab: int) -> int | None:
+    """``top_k`` as a filter over ``vocab`` entries, or None where vLLM treats it as off (None, -1, 0, k >= V)."""
+    return top_k if top_k is not None and 0 < top_k < vocab else None
 
 
 @dataclass(frozen=True)
@@ -459,9 +465,10 @@ def sampler_logprobs_from_hidden(
 
     flat = hidden.reshape(-1, hidden.shape[-1])
     n, vocab = flat.shape[0], weight.shape[0]
+    top_k = _top_k_on(top_k, vocab)  # -1, 0 and k >= V mean off (vLLM), on every path alike
     rows = min(chunk_rows(n, vocab, hidden.device, memory_budget) if chunk_size is None else chunk_size, max(n, 1))
     greedy = temperature < _SAMPLING_EPS
-    truncates = not greedy and ((top_k is not None and 0 < top_k < vocab) or top_p < 1.0 or min_p > 0.0)
+    truncates = not greedy and (top_k is not None or top_p < 1.0 or min_p > 0.0)
     full = torch.empty(n, dtype=torch.float32, device=hidden.device)
     processed = torch.empty_like(full)
     outside = torch.zeros(n, dtype=torch.bool, device=hidden.device)
@@ -477,10 +484,13 @@ def sampler_logprobs_from_hidden(
             stop = min(start + rows, n)
             if kernels is not None:  # CUDA: the chunk's logits read by Triton kernels, no (rows, V) pass of torch's
                 z = head.logits_into(buf[: stop - start], flat[start:stop], divide=False)
-                full[start:stop], processed[start:stop], outside[start:stop] = _kernel_chunk(
-                    kernels, z, t_eff, ids[start:stop], top_k if truncates else None, top_p if truncates else 1.0,
-                    min_p if truncates else 0.0, keep_sampled, replay, recorded, start, stop, rule)
-                continue
+                got = _kernel_chunk(kernels, z, t_eff, ids[start:stop], top_k if truncates else None,
+                                    top_p if truncates else 1.0, min_p if truncates else 0.0, keep_sampled, replay,
+                                    recorded, start, stop, rule)
+                if got is not None:
+                    full[start:stop], processed[start:stop], outside[start:stop] = got
+                    continue
+                kernels = None  # the row kernel failed to launch (warned once): torch's passes from this chunk on
             lp = _softmax_rows_(head.logits_into(buf[: stop - start], flat[start:stop]), log=True)  # log p_T
             y = ids[start:stop]
             lp_y = lp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
@@ -507,9 +517,11 @@ def sampler_logprobs_from_hidden(
 
 def _processed_chunk(lp: torch.Tensor, y: torch.Tensor, lp_y: torch.Tensor, top_k: Optional[int], top_p: float,
                      min_p: float, keep_sampled: bool, kept_sets: Optional[KeptSets], recorded: Optional[torch.Tensor],
-                     start: int, stop: int, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+                     start: int, stop: int, rule: str,
+                     sort_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Processed logprobs of one chunk of full log-probabilities ``lp``; and where the recomputed set missed y.
-    ``rule``: the engine's top-k/top-p tie rule (``"pytorch"`` or ``"triton"``)."""
+    ``rule``: the engine's top-k/top-p tie rule (``"pytorch"`` or ``"triton"``). ``sort_rows``: rows the sorting
+    path takes at once (default an eighth of ``lp``'s)."""
     rows = lp.shape[0]
     proc = torch.empty(rows, dtype=torch.float64, device=lp.device)
     miss = torch.zeros(rows, dtype=torch.bool, device=lp.device)
@@ -535,7 +547,7 @@ def _processed_chunk(lp: torch.Tensor, y: torch.Tensor, lp_y: torch.Tensor, top_
     miss[done] = ~inside
     # the candidates did not settle these rows: vLLM's sorting path, an eighth of the chunk's rows at a time (its
     # values, ids and sums of a block of rows take about six times the block)
-    for hard in rest[~settled].split(max(1, rows // 8)):
+    for hard in rest[~settled].split(sort_rows or max(1, rows // 8)):
         x = processed_logits(lp[hard], 1.0, top_k, top_p, min_p, engine_topk_topp=rule)
         x_y = x.gather(-1, y[hard].unsqueeze(-1)).squeeze(-1)
         inside = ~torch.isneginf(x_y)
@@ -546,18 +558,33 @@ def _processed_chunk(lp: torch.Tensor, y: torch.Tensor, lp_y: torch.Tensor, top_
 
 
 def _row_kernels(device: torch.device, top_k: Optional[int]):
-    """The CUDA pass's two Triton kernels, ``(row_logprob_entropy, kept_candidates)``, or None: off CUDA, without
-    Triton, or for a top-k the candidates' columns cannot hold (the torch passes then)."""
-    if device.type != "cuda":
+    """The CUDA pass's two Triton kernels, ``(row_logprob_entropy, kept_candidates)``, or None: off an NVIDIA CUDA
+    device (CPU, ROCm) or without Triton (the torch passes then). A top-k the candidates' columns cannot hold keeps
+    the kernels: its rows go to the torch path one by one (:func:`_kernel_chunk`)."""
+    if not kernels_allowed(device):
         return None
     try:
-        from ..kernels.kept_candidates import CAP, kept_candidates
+        from ..kernels.kept_candidates import kept_candidates
         from ..kernels.row_logsumexp import row_logprob_entropy
     except ImportError:
         return None
-    if top_k is not None and top_k >= CAP - 1:
-        return None
     return row_logprob_entropy, kept_candidates
+
+
+def _candidate_cover(top_k: Optional[int], top_p: float, min_p: float, cap: int) -> Optional[dict]:
+    """The candidates kernel's cover for these filters (:mod:`rollout_parity.kernels.kept_candidates`): the entries
+    vLLM's filters renormalise over all lie above its threshold. None where no cover can close: a top-k of ``cap - 1``
+    or more (its k entries do not fit the columns), or top-p alone so close to 1 (0.9999 and above) that the mass it
+    needs, with the float32 margin, is all the mass a float32 sum tells from 1. Those rows take the torch path."""
+    if top_k is not None and top_k >= cap - 1:
+        return None
+    bound = dict(bound=math.log(min_p) - 1e-3) if min_p > 0.0 else {}  # less a margin for float rounding
+    if top_k is not None:
+        return dict(count=top_k, **bound)  # with min-p too: the higher of the two thresholds
+    if bound:
+        return bound
+    need = _limit(top_p) + 1e-4  # a float32 sum of the masses may fall short of the float64 one by this much
+    return dict(mass=need) if need < 1.0 - 2.0 ** -24 else None
 
 
 class _ChunkedKeptSets:
@@ -587,22 +614,25 @@ class _ChunkedKeptSets:
 def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor, top_k: Optional[int], top_p: float,
                   min_p: float, keep_sampled: bool, replay: Optional[_ChunkedKeptSets],
                   recorded: Optional[torch.Tensor], start: int, stop: int,
-                  rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rule: str) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Full and processed logprobs of one chunk from its raw fp32 logits ``z`` (``h W^T + b``, not yet divided by
     T), and where the recomputed set missed y: ``_processed_chunk``'s values without materialising the chunk's
-    log-probabilities and with one host synchronisation (whether a row needs the sorting path).
+    log-probabilities and with one host synchronisation (whether a row needs the sorting path). None when the row
+    kernel failed to launch (:func:`~rollout_parity.core.kernel_launch.launch`): the caller takes the torch path.
 
-    The row kernel reads the chunk once (log-sum-exp, the row's largest and the token's log-probability); the rows
-    that one token does not settle go to ``kept_candidates``, which writes each row's few entries that can be in the
-    kept set (:mod:`rollout_parity.kernels.kept_candidates`); those are sorted and filtered in float64 by
-    ``_on_candidates``, the CPU path's own rule. The rows it leaves open take ``_processed_chunk`` on their
-    log-probabilities ``div(z, T) - lse``, the same float operations as the kernels'."""
+    The row kernel reads the chunk once (the row's maximum ``m``, ``log s`` and the token's log-probability
+    ``(x - m) - log s``); the rows that one token does not settle go to ``kept_candidates``, which writes each row's
+    few entries that can be in the kept set (:mod:`rollout_parity.kernels.kept_candidates`); those are sorted and
+    filtered in float64 by ``_on_candidates``, the CPU path's own rule. The rows it leaves open (a failed launch of
+    the candidates too) take ``_processed_chunk`` on their log-probabilities ``(div(z, T) - m) - log s``, the same
+    float operations as the kernels', formed in place in blocks of an eighth of the chunk."""
     from ..kernels.kept_candidates import CAP
 
     row_pass, candidates = kernels
     rows, dev = z.shape[0], z.device
-    lp_y, lse, peak = (torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(3))
-    row_pass(z, y, temperature, lp_y, None, lse, peak)
+    lp_y, rowmax, logsum = (torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(3))
+    if not launch("row_logprob_entropy+lse", dev, row_pass, z, y, temperature, lp_y, None, rowmax, logsum):
+        return None
     miss = torch.zeros(rows, dtype=torch.bool, device=dev)
     truncates = top_k is not None or top_p < 1.0 or min_p > 0.0
     rec = recorded[start:stop] if replay is not None and replay.recorded_in(start, stop) else None
@@ -614,36 +644,41 @@ def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor,
     todo = torch.full((rows,), truncates, dtype=torch.bool, device=dev)
     if rec is not None:
         r, kept = replay.flat_rows(start, stop)
-        log_s, member = replayed_log_mass_of(z[r, kept].div(temp) - lse[r], y, r, kept, rec)
+        vals = (z[r, kept].div(temp) - rowmax[r]) - logsum[r]
+        log_s, member = replayed_log_mass_of(vals, y, r, kept, rec)
         # a sampled token missing from the engine's own set is an engine failure: -inf (counted by the core)
         proc = torch.where(rec, torch.where(member, lp_y64 - log_s, float("-inf")), proc)
         todo &= ~rec
     if truncates:
+        peak = logsum.neg()  # the row's largest log-probability
         stage = alone_holds_top_p(top_p, rule, lambda: peak)  # settle_kept_sets' first stage
         alone = torch.zeros_like(todo) if stage is None else stage[1]
+        settled = alone
+        cover = _candidate_cover(top_k, top_p, min_p, CAP)
         cand = torch.full((rows, CAP), float("-inf"), dtype=torch.float32, device=dev)
         count = torch.empty(rows, dtype=torch.int32, device=dev)
-        # the cover that holds every entry vLLM's filters renormalise over (kernels/kept_candidates.py): min-p's
-        # bound (less a margin for float rounding), else top-k's count, else top-p's mass (with a margin likewise)
-        cover = (dict(bound=math.log(min_p) - 1e-3) if min_p > 0.0 else dict(count=top_k) if top_k is not None
-                 else dict(mass=_limit(top_p) + 1e-4))
-        candidates(z, temperature, lse, peak, todo & ~alone, cand, count, **cover)
-        log_s, smallest, settled = _on_candidates(cand.sort(dim=-1, descending=True).values, top_k, top_p, min_p,
-                                                  whole=False, rule=rule)
-        log_s = torch.where(alone, peak.double(), log_s)
-        smallest = torch.where(alone, peak, smallest)
-        settled = alone | (settled & (count >= 0))  # a row over the cap holds only some of its candidates
+        if cover is not None and launch("kept_candidates+" + "+".join(cover), dev, candidates, z, temperature,
+                                        rowmax, logsum, todo & ~alone, cand, count, **cover):
+            log_s, smallest, on_cand = _on_candidates(cand.sort(dim=-1, descending=True).values, top_k, top_p, min_p,
+                                                      whole=False, rule=rule)
+            log_s = torch.where(alone, peak.double(), log_s)
+            smallest = torch.where(alone, peak, smallest)
+            settled = alone | (on_cand & (count >= 0))  # a row over the cap holds only some of its candidates
+        else:  # no cover can close these rows (or the kernel failed to launch): only the alone rows are settled
+            log_s, smallest = peak.double(), peak
         inside = lp_y64 >= smallest.double()
         done = todo & settled
         proc = torch.where(done, _with_rule(lp_y64, log_s, inside, keep_sampled), proc)
         miss = done & ~inside
         hard = todo & ~settled
         if bool(hard.any()):
-            h = hard.nonzero().squeeze(-1)
-            lp = z[h].div(temp) - lse[h].unsqueeze(-1)
-            p_h, m_h = _processed_chunk(lp, y[h], lp_y[h], top_k, top_p, min_p, keep_sampled, None, None, 0,
-                                        h.numel(), rule)
-            proc[h], miss[h] = p_h.double(), m_h
+            block = max(1, rows // 8)
+            for h in hard.nonzero().squeeze(-1).split(block):
+                # one block of log-probabilities at a time, formed in its own copy: no (rows, V) temporaries
+                lp = z.index_select(0, h).div_(temp).sub_(rowmax[h, None]).sub_(logsum[h, None])
+                p_h, m_h = _processed_chunk(lp, y[h], lp_y[h], top_k, top_p, min_p, keep_sampled, None, None, 0,
+                                            h.numel(), rule, sort_rows=block)
+                proc[h], miss[h] = p_h.double(), m_h
     return lp_y, proc.float(), miss
 
 
