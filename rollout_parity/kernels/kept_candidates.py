@@ -21,8 +21,9 @@ For ``mass`` and ``count``, a first read of the row sums, for ``J`` thresholds `
 later blocks' loads are in flight while one is summed), one entry per lane. A second read writes every entry ``>= t``
 to the row of ``out``, in vocabulary order (at most ``CAP - 1`` of them: a row with more, or with no covering
 threshold, gets ``count -1`` and is left to the caller's sorting path; the write stops reading a row once it is past
-the cap, and a top-p row whose peak holds so little mass that ``CAP - 1`` entries cannot reach top_p is not read). The caller sorts those few values and applies vLLM's filters to them in float64:
-this kernel only narrows the row, it decides nothing about the kept set. Rows not marked open are not read.
+the cap, and a top-p row whose peak holds so little mass that ``CAP - 1`` entries cannot reach top_p is not read).
+The caller sorts those few values and applies vLLM's filters to them in float64: this kernel only narrows the row,
+it decides nothing about the kept set. Rows not marked open are not read.
 """
 
 from __future__ import annotations
@@ -143,10 +144,10 @@ def kept_candidates(z: torch.Tensor, temperature: float, rowmax: torch.Tensor, l
     :func:`~rollout_parity.kernels.row_logsumexp.row_logprob_entropy`; ``open_rows``: bool (rows,); ``out``:
     float32 (rows, CAP), contiguous (fill it with -inf first); ``count_out``: int32 (rows,). Nothing is checked
     against V or synchronised with the host."""
-    if (mass is None) == (count is None and bound is None) or (mass is not None and bound is not None):
-        raise ValueError("pass mass= alone, or count= and/or bound= (the kept set's cover), got "
-                         f"{sorted(n for n, v in (('mass', mass), ('count', count), ('bound', bound)) if v is not None)}")
-    cover = "mass" if mass is not None else "+".join(n for n, v in (("count", count), ("bound", bound)) if v is not None)
+    given = [n for n, v in (("mass", mass), ("count", count), ("bound", bound)) if v is not None]
+    if not given or ("mass" in given and len(given) > 1):
+        raise ValueError(f"pass mass= alone, or count= and/or bound= (the kept set's cover), got {given}")
+    cover = "+".join(given)
     need = mass if mass is not None else count if count is not None else 0.0
     if z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1:
         raise ValueError(f"z must be a 2-D float32 tensor contiguous along the vocabulary, got {z.dtype} "
