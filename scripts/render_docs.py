@@ -68,8 +68,8 @@ LOGS: dict[str, str] = {
     # three runs back to back on the 2-core CPU machine, nothing else running (2026-11-27)
     "cpu/correction_overhead.log": "for i in 1 2 3; do python benchmarks/correction_overhead.py --repeats 100; done",
     # the CUDA kernels compiled for GPU targets by five Triton releases, each first on PYTHONPATH (no GPU needed)
-    "cpu/kernel_compile.log": "for v in 3.3.1 3.4.0 3.5.1 3.6.0 3.9.0; do PYTHONPATH=<triton==$v>:. "
-                              "python scripts/compile_kernels.py; done",
+    "cpu/kernel_compile.log": "python scripts/compile_kernels.py --sweep <triton==3.3.1> <triton==3.4.0> "
+                              "<triton==3.5.1> <triton==3.6.0> --log docs/data/cpu/kernel_compile.log",
 }
 
 LOG_MARKER = re.compile(r"<!-- log:(?P<file>[^: ]+):(?P<select>[^>]*?) -->(?P<body>.*?)<!-- /log -->", re.DOTALL)
