@@ -256,6 +256,7 @@ def main(argv=None) -> int:
           f"topk50_vs_plain={best['sampler-aware, top-k 50 top-p 0.9'] / plain_s:.3f} "
           f"plain_vs_matmul={plain_s / floor:.3f} sampler_vs_matmul={best['sampler-aware, top-p 0.9'] / floor:.3f} "
           f"mem_chunks={mem_chunks:.3f} mem_vs_bound={mem_vs_bound:.3f} sorted_rows={stages['sorted'] / n:.4f} "
+          f"replay_err={replay_err:.2e} "
           + (f"torch_passes_vs_matmul={best['sampler-aware, top-p 0.9, no kernels'] / floor:.3f} " if kernels else "")
           + f"kernels={kernels} "
           f"clock={clock} device={device.type} dtype={args.dtype} path={path} n={n} hidden={H} vocab={V} chunk={c}")
