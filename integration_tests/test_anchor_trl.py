@@ -263,6 +263,38 @@ def test_trl_off_policy_mask_equals_ours(delta):
         assert ours.off_policy_masked.any()  # the batch crosses the mask
 
 
+@pytest.mark.parametrize("where", ["current", "sampler", "both"])
+def test_a_minus_inf_logprob_in_the_off_policy_mask_is_what_trl_decides(where):
+    """π_θ = −inf for a token the engine sampled is infinite drift in TRL's mask, and in ours: the sequence is
+    dropped when its advantage is negative, however long it is and whatever δ is. A −inf from the engine reaches
+    TRL as NaN through the adapter (no evidence: neutral), and −inf on both sides agree: neutral in both."""
+    from trl import GRPOTrainer
+
+    batch = make_shared_batch()
+    current = batch.current_logprobs.detach().clone()
+    rollout = batch.rollout_logprobs.clone()
+    negative = [i for i in range(current.shape[0]) if batch.advantages[i] < 0 and batch.response_mask[i].sum() > 3]
+    assert negative, "the shared batch has negative-advantage sequences"
+    i = negative[0]
+    t = int(batch.response_mask[i].nonzero()[1])
+    if where in ("current", "both"):
+        current[i, t] = -math.inf
+    if where in ("sampler", "both"):
+        rollout[i, t] = -math.inf
+    delta = 1e6  # no finite drift crosses it: only an infinite one masks
+    keep_trl = GRPOTrainer.get_off_policy_mask(
+        advantages=batch.advantages.unsqueeze(1), per_token_logps=current,
+        sampling_per_token_logps=rollout.masked_fill(~rollout.isfinite(), math.nan),
+        mask=batch.response_mask, off_policy_threshold=delta,
+    ).squeeze(1).bool()
+    ours = compute_correction(CorrectionConfig(off_policy_sequence_mask_delta=delta), old_logprobs=batch.old_logprobs,
+                              rollout_logprobs=rollout, response_mask=batch.response_mask,
+                              advantages=batch.advantages, current_logprobs=current, with_metrics=False)
+    assert torch.equal(~ours.off_policy_masked, keep_trl)
+    assert bool(ours.off_policy_masked[i]) == (where == "current")
+    assert int(ours.off_policy_masked.sum()) == (where == "current")
+
+
 # ----------------------------------------------------------------------------- bad input through TRL
 
 TIS_K3 = CorrectionConfig.preset("tis_srs_k3")

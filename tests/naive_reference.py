@@ -17,7 +17,8 @@ Bad-input rules (docs/flags.md, "Bad input"), one token at a time:
   side is neutral, log r = 0 (weight 1); −inf on one side is maximal mismatch, log r = ±20;
   −inf on both sides agree, log r = 0. Every log-ratio is clamped to ±20.
 * a valid token with any non-finite logprob among those the correction reads is counted in
-  ``nonfinite_frac``, and drifts 0 in the off-policy mask and contributes 0 to C(r).
+  ``nonfinite_frac``, and drifts 0 in the off-policy mask and contributes 0 to C(r); except that
+  a −inf π_θ beside a finite behaviour logprob is infinite drift: its sequence's δ is +inf.
 * in the loss, a NaN/+inf π_old is neutral (ratio 1, the token keeps ∇ log π_θ); a −inf
   π_θ or π_old is maximal mismatch (ratio at its bound, no gradient; ratio 1 if the other
   side is NaN or −inf too); a NaN/+inf π_θ has no value and no gradient to give, so the
@@ -274,6 +275,9 @@ def naive_correction(raw_flags, old, rollout, mask, advantages=None, current=Non
             behaviour = rollout if rollout is not None else old
             drift = sum(behaviour[i][t] - current[i][t] for t in toks if not out.nonfinite[i][t])
             d_i = drift / len(toks)
+            # π_θ gives no mass to a token the behaviour policy sampled: infinite drift, maximal mismatch
+            if any(current[i][t] == -math.inf and math.isfinite(behaviour[i][t]) for t in toks):
+                d_i = math.inf
             a_i = sum(_adv(advantages, i, t) for t in toks) / len(toks)
             if d_i > delta and a_i < 0:
                 out.off_policy[i] = True

@@ -325,12 +325,17 @@ def correction_token_pass(
     off_policy = torch.zeros_like(seq_keep)
     if delta_on:
         behaviour = rollout_logprobs if rollout_logprobs is not None else old_logprobs
-        # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's valid tokens; a token with a
-        # non-finite logprob is neutral (drift 0) but still counted, as TRL does for a NaN.
-        drift = torch.sub(behaviour.to(dtype), current_logprobs.to(dtype), out=stats.scratch)
+        # δ_i = mean_t (log π_behaviour − log π_θ) over the sequence's valid tokens. A token π_θ gives no mass
+        # (−inf) that the behaviour policy sampled with a finite logprob is infinite drift, maximal mismatch: its
+        # sequence's δ_i is +inf (TRL's own mask computes the same). Any other non-finite logprob (NaN, +inf, an
+        # engine's −inf for a token it sampled, −inf on both sides) is neutral, drift 0, and counted.
+        behaviour, current = behaviour.to(dtype), current_logprobs.to(dtype)
+        infinite = (torch.isneginf(current) & torch.isfinite(behaviour)).to(dtype).mul_(valid_f).sum(dim=-1) > 0
+        drift = torch.sub(behaviour, current, out=stats.scratch)
         drift = nonfinite_to_zero_(drift).mul_(stats.clean_f).sum(dim=-1)
         delta = drift / stats.tokens_per_seq.clamp_min(1.0)
-        off_policy = (delta > cfg.off_policy_sequence_mask_delta) & (sequence_advantages(advantages, stats) < 0)
+        off_policy = (infinite | (delta > cfg.off_policy_sequence_mask_delta)) & (
+            sequence_advantages(advantages, stats) < 0)
         seq_keep = seq_keep & ~off_policy
 
     keep_f = valid_f * seq_keep.to(dtype).unsqueeze(-1)
