@@ -151,3 +151,26 @@ def test_fallback_without_inplace_softmax_gives_the_same_numbers(monkeypatch):
         assert torch.equal(a, b)
     for a, t in zip(fast_grads, (hidden, weight, bias)):
         assert torch.equal(a, t.grad)
+
+
+def test_masked_vocabulary_entries_add_nothing_to_the_entropy_or_its_gradient():
+    """A head bias of -inf (vocabulary entries a model masks) gives p = 0 there: 0 log 0 = 0, not 0 * -inf = NaN,
+    in the entropy and in its backward (the kernel of the CUDA forward does the same: test_kernel_properties.py)."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    weight = torch.randn(40, 8, generator=g, dtype=torch.float64)
+    bias = torch.zeros(40, dtype=torch.float64)
+    bias[[3, 17, 39]] = float("-inf")
+    ids = torch.tensor([0, 1, 2, 4, 5, 6])
+    h = hidden.clone().requires_grad_()
+    lp, ent = chunked_fp32_logprobs(h, weight, ids, bias=bias, chunk_size=4, temperature=0.7, return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    keep = torch.ones(40, dtype=torch.bool)
+    keep[[3, 17, 39]] = False
+    h_ref = hidden.clone().requires_grad_()
+    ref = ((h_ref @ weight[keep].T) / 0.7).log_softmax(-1)  # the unmasked entries alone
+    ref_lp = ref.gather(1, torch.searchsorted(keep.nonzero().squeeze(1), ids)[:, None]).squeeze(1)
+    ref_ent = -(ref.exp() * ref).sum(-1)
+    (ref_lp.sum() + ref_ent.sum()).backward()
+    assert torch.allclose(lp, ref_lp, atol=1e-12) and torch.allclose(ent, ref_ent, atol=1e-12)
+    assert torch.isfinite(h.grad).all() and torch.allclose(h.grad, h_ref.grad, atol=1e-10)

@@ -132,7 +132,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     for r0 in range(0, e - s, sub):
                         r1 = min(r0 + sub, e - s)
                         p = torch.exp(z[r0:r1], out=scratch[: r1 - r0])
-                        ent[s + r0 : s + r1] = p.mul_(z[r0:r1]).sum(dim=1).neg_()
+                        # 0 log 0 = 0: an entry with logit -inf (a masked vocabulary entry) adds nothing, not NaN
+                        p.mul_(z[r0:r1]).masked_fill_(z[r0:r1].isneginf(), 0.0)
+                        ent[s + r0 : s + r1] = p.sum(dim=1).neg_()
             head.release()
 
         ctx.save_for_backward(hidden, weight, bias, token_ids, ent)
@@ -179,10 +181,11 @@ def _backward(ctx, hidden, weight, bias, token_ids, ent, g_logp, g_ent):
                 r1 = min(r0 + sub, e - s)
                 zr = z[r0:r1]  # log p
                 p = torch.exp(zr, out=scratch[: r1 - r0])
+                masked = zr.isneginf()  # p = 0 there: no gradient (not 0 * inf)
                 gl = g_logp[s + r0 : s + r1, None]
                 ge = g_ent[s + r0 : s + r1, None]
                 # dL/dz = g (1[v=y] - p) - e p (log p + H)
-                zr.add_(ent[s + r0 : s + r1, None]).mul_(ge).add_(gl).mul_(p).neg_()
+                zr.add_(ent[s + r0 : s + r1, None]).mul_(ge).add_(gl).mul_(p).neg_().masked_fill_(masked, 0.0)
             z.index_put_((rows_idx, token_ids[s:e]), g_logp[s:e], accumulate=True)
             row_scale, hg = None, h
         else:

@@ -63,7 +63,8 @@ def _row_logprob_entropy_kernel(z_ptr, row_stride, ids_ptr, ids_stride, logp_ptr
         e = tl.where(inside, tl.exp(x - new_m), 0.0)
         if WANT_ENTROPY:
             moved = tl.where(m == float("-inf"), 0.0, s * (m - new_m))  # the old terms' shift to the new maximum
-            u = (u + moved) * scale + tl.sum(e * tl.where(inside, x - new_m, 0.0), 0)
+            # 0 log 0 = 0: a logit of -inf (a masked entry) adds nothing, not 0 * -inf
+            u = (u + moved) * scale + tl.sum(e * tl.where(inside & (x != float("-inf")), x - new_m, 0.0), 0)
         s = s * scale + tl.sum(e, 0)
         m = new_m
     log_s = tl.log(s)
