@@ -257,3 +257,24 @@ def test_the_launcher_refuses_a_typo_in_one_line(argv, meant, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"rollout-parity launch: unknown option {argv[0]} (did you mean {meant!r}?); "
                    "see rollout-parity launch --help"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fp32_lm_head", "ture", "train.py"],
+     "rollout-parity launch: --fp32_lm_head takes true or false, got 'ture' (and 'ture' is no script either: "
+     "write --fp32_lm_head true|false, then the script)"),
+    (["--rollout_importance_sampling_mode", "token_truncate", "missing.py", "--lr", "1"],
+     "rollout-parity launch: no script 'missing.py' (no such file; for a module, -m package.module)"),
+])
+def test_a_mistyped_switch_or_a_missing_script_is_one_line_before_anything_loads(argv, message, capsys, monkeypatch,
+                                                                                 tmp_path):
+    import sys as _sys
+
+    from rollout_parity.launcher import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("raise SystemExit('the script ran')\n")
+    monkeypatch.delitem(_sys.modules, "trl", raising=False)  # nothing imports TRL before the refusal
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [message]
+    assert "trl" not in _sys.modules

@@ -160,29 +160,46 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     its value; an unknown or abbreviated option exits 2 with one line naming the closest one.
     """
     parser = build_parser()
-    argv, refusal = normalise_switches(list(argv), parser, PROG, stop_at=("-m",))
+    raw = list(argv)
+    argv, refusal = normalise_switches(raw, parser, PROG, stop_at=("-m",))
     if refusal is not None:
         parser.exit(2, refusal + "\n")
     args = parser.parse_args(argv)
     if not (args.module or args.target):
         parser.error("give a script (script.py [args...]) or -m module [args...]")
+    args.raw_argv = raw
     return args
+
+
+def _no_script(raw: Sequence[str], script: str, parser: argparse.ArgumentParser) -> str:
+    """The one-line refusal of a script path that is no file, before anything loads: a word after a switch that
+    is neither true/false nor a file was meant as the switch's value (``--fp32_lm_head ture``)."""
+    at = len(raw) - 1 - raw[::-1].index(script) if script in raw else -1
+    before = raw[at - 1] if at > 0 else ""
+    action = parser._option_string_actions.get(before)  # noqa: SLF001 - argparse's own table
+    if action is not None and action.nargs == "?" and action.const is True:
+        return (f"{PROG}: {before} takes true or false, got {script!r} (and {script!r} is no script either: "
+                f"write {before} true|false, then the script)")
+    return f"{PROG}: no script {script!r} (no such file; for a module, -m package.module)"
 
 
 def main(argv: Sequence[str]) -> int:
     """``rollout-parity launch``; returns the script's exit code (2 for a bad launcher flag)."""
     args = parse_args(argv)
+    try:
+        cfg = correction_from_args(args)
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    if not args.module and not os.path.isfile(args.target[0]):  # named before anything loads
+        print(_no_script(args.raw_argv, args.target[0], build_parser()), file=sys.stderr)
+        return 2
     from rollout_parity.adapters.nemo_rl.turn_on import launch as launch_nemo_rl, targets_nemo_rl
 
     if targets_nemo_rl(script=None if args.module else args.target[0], module=args.module[0] if args.module else None):
         given = [f"--{f.name}" for f in dataclasses.fields(CorrectionConfig) if getattr(args, f.name) is not None]
         run = (lambda: _run(args.module[0], args.module[1:])) if args.module else (lambda: _run(None, args.target))
         return launch_nemo_rl(run, given + (["--preset"] if args.preset else []))
-    try:
-        cfg = correction_from_args(args)
-    except ValueError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
     uninstall, built = install(cfg)
     try:
         code = _run(args.module[0], args.module[1:]) if args.module else _run(None, args.target)
