@@ -201,6 +201,21 @@ SCRIPT = textwrap.dedent('''
         same_outside=bool(torch.equal(ref.outside_mask, got.outside_mask)),
         warnings=[str(x.message) for x in caught if issubclass(x.category, kernel_launch.KernelFallbackWarning)],
         failed=[list(k) for k in kernel_launch.failed_launches()])
+
+    # 5. the hard path's memory: every row of flat logits open (top-k 300 has no cover: torch's path per row), its
+    # log-probabilities formed an eighth of the chunk at a time, against the CPU path on the same input
+    from rollout_parity.testing.memory import peak_alloc_bytes
+    kernel_launch.reset_failed_launches()
+    Vm, rows_m = 4096, 64
+    hm = torch.randn(rows_m, H, generator=g) * 0.05
+    wm = torch.randn(Vm, H, generator=g)
+    idm = torch.randint(0, Vm, (rows_m,), generator=g)
+    peaks = {}
+    for label, kernels in (("torch", None), ("kernel", (row_logprob_entropy, kept_candidates))):
+        sampler._row_kernels = lambda device, top_k, k=kernels: k
+        peaks[label] = peak_alloc_bytes(lambda: sampler.sampler_logprobs_from_hidden(
+            hm, wm, idm, 1.0, top_k=300, top_p=0.95, chunk_size=rows_m))
+    report["hard_memory"] = dict(peaks, chunk=rows_m * Vm * 4)
     print("REPORT " + json.dumps(report))
 ''')
 
@@ -328,7 +343,13 @@ def test_a_candidates_kernel_that_fails_to_launch_leaves_its_rows_to_torchs_path
     assert got["failed"] == [["cpu", "kept_candidates+count"]], got
 
 
-def test_the_kernels_refuse_buffers_they_cannot_write_before_launching():
+def test_the_hard_path_forms_its_log_probabilities_in_blocks_within_the_cpu_paths_memory(report):
+    got = report["hard_memory"]
+    # the chunk's buffer, an eighth of it per block of log-probabilities and the sorting path's temporaries of a
+    # block (about six times it): under two chunks; forming the rows' log-probabilities whole (z[h].div(T) - lse)
+    # kept two more chunks alive
+    assert got["kernel"] < 2 * got["chunk"], got
+    assert got["kernel"] <= 1.1 * got["torch"], got
     import torch
 
     from rollout_parity.kernels.kept_candidates import CAP, kept_candidates
