@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rollout-parity", allow_abbrev=False,
         description="Remove, then correct, the training-inference mismatch of LLM RL.",
     )
+    from rollout_parity import __version__
+
+    parser.add_argument("--version", action="version", version=f"rollout-parity {__version__}",
+                        help="print the version (CHANGELOG.md says what each one brought) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "doctor", allow_abbrev=False,

@@ -149,3 +149,21 @@ def test_each_subcommands_help(capsys, monkeypatch, sub):
         assert f"of {', '.join(ROW_SPECS)} (default: all" in out
     if sub == "launch":
         assert "--fp32_lm_head [true|false], --fp32-lm-head [true|false]" in out
+
+
+def test_version_is_the_packages_the_projects_and_the_changelogs_newest(capsys):
+    import re
+    import tomllib
+
+    import rollout_parity
+    from rollout_parity.cli import main
+    from tests.docs_text import ROOT
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rollout-parity {rollout_parity.__version__}"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == rollout_parity.__version__
+    newest = re.search(r"^## (\S+) \(", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)[1]
+    assert newest == rollout_parity.__version__
