@@ -50,6 +50,17 @@ def pytest_configure(config):
     install_trl_cpu_head()
 
 
+def pytest_collection_finish(session):
+    # Said once, before the first test (also under -q): without NeMo RL's source the nemo_rl tests can only skip,
+    # each with the same line.
+    from integration_tests.support.nemo_anchor import source_report
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in source_report():
+            reporter.write_line(line)
+
+
 def pytest_runtest_logreport(report):
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         for name in FRAMEWORK_MARKERS:

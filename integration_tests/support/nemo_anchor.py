@@ -53,6 +53,26 @@ def skip_unless_available(versions=VERSIONS) -> None:
                 "../shared/anchors beside the checkout; see its README)", anchor=True)
 
 
+UPSTREAM = "https://github.com/NVIDIA-NeMo/RL.git"
+
+
+def source_report() -> list[str]:
+    """The suite's header about NeMo RL's source: where it was found, or, once, which tests cannot run without it
+    and the commands that fetch each pinned version."""
+    found = available_versions()
+    if len(found) == len(VERSIONS):
+        return [f"NeMo RL source: {anchor_root()} ({', '.join(f'{v} {COMMITS[v][:7]}' for v in VERSIONS)})"]
+    absent = [v for v in VERSIONS if v not in found]
+    lines = [f"NeMo RL source: {', '.join(absent)} not found under {anchor_root()} (ROLLOUT_PARITY_ANCHORS names the "
+             "folder holding nemo-rl/<version>/): the tests marked nemo_rl that need it skip (CI=true: fail), "
+             "integration_tests/test_nemo_rl_*.py and the NeMo RL cases of test_check.py and "
+             "test_doctor_recommendation.py. To run them:"]
+    for v in absent:
+        tree = anchor_root() / v
+        lines.append(f"  git clone {UPSTREAM} {tree} && git -C {tree} checkout {COMMITS[v]}")
+    return lines
+
+
 class NemoRLAnchors:
     """The anchor versions by name, activated through the package's :data:`SOURCES`."""
 
