@@ -15,6 +15,7 @@ as argparse exits on a bad option); TRL's own options keep argparse's behaviour.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Mapping, Optional
@@ -22,16 +23,44 @@ from typing import Any, Mapping, Optional
 from trl import GRPOConfig
 
 from rollout_parity.adapters._patching import Patches, is_ours
-from rollout_parity.core.config import CorrectionConfig, closest, flag_from_text
+from rollout_parity.core.config import CorrectionConfig, FlagError, closest, flag_from_text
+from rollout_parity.core.ratios import LOG_RATIO_BOUND
 
-__all__ = ["ParityGRPOConfig", "correction_config_from_args", "as_correction_config"]
+__all__ = ["ParityGRPOConfig", "correction_config_from_args", "as_correction_config", "NO_UPPER_BOUND",
+           "core_flags"]
+
+_UPPER = "rollout_importance_sampling_threshold"
+#: ``rollout_importance_sampling_threshold`` null or inf, TRL's ``vllm_importance_sampling_clip_max=None`` (no upper
+#: bound: only the lower one acts), as the core takes it. The core clamps every token and sequence log-ratio to
+#: +-LOG_RATIO_BOUND, so no weight it makes exceeds e^20 (4.9e8) and a cap above that never acts; the core refuses
+#: null and inf for this flag.
+NO_UPPER_BOUND = 1e10
+assert NO_UPPER_BOUND > math.exp(LOG_RATIO_BOUND)
+
+
+def core_flags(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The shared flags ``values`` as the core takes them: an upper IS bound of null or inf is
+    :data:`NO_UPPER_BOUND`."""
+    out = dict(values)
+    upper = out.get(_UPPER, 0.0)
+    if isinstance(upper, str):
+        upper = flag_from_text(_UPPER, upper)
+    if upper is None or (isinstance(upper, float) and math.isinf(upper) and upper > 0):
+        mode = flag_from_text("rollout_importance_sampling_mode", out.get("rollout_importance_sampling_mode"))
+        if str(mode).endswith("_truncate") and out.get("rollout_importance_sampling_threshold_lower") is None:
+            raise FlagError(f"{_UPPER}: {upper} (no upper bound) with rollout_importance_sampling_mode={mode!r} needs "
+                            "rollout_importance_sampling_threshold_lower: a truncation without either bound is "
+                            "plain IS (TRL refuses vllm_importance_sampling_clip_max=None with clip_min=None too)")
+        out[_UPPER] = NO_UPPER_BOUND
+    return out
 
 _IS_RELATION = ("TRL's own vllm_importance_sampling_mode/_clip_max/_clip_min configure the same ratio "
                 "(importance_sampling_ratio): with a correction flag set, setting them too is refused")
 #: How each shared flag relates to TRL's own options (shown in --help).
 _TRL_RELATION = {
     "rollout_importance_sampling_mode": _IS_RELATION,
-    "rollout_importance_sampling_threshold": _IS_RELATION,
+    "rollout_importance_sampling_threshold": _IS_RELATION + "; null or inf: no upper bound (TRL's "
+                                             "vllm_importance_sampling_clip_max=None; the lower bound alone acts)",
     "rollout_importance_sampling_threshold_lower": _IS_RELATION,
     "rollout_rejection": "rejected tokens or sequences leave the loss mask; " + _IS_RELATION,
     "off_policy_sequence_mask_delta": "handed to TRL as its off_policy_mask_threshold: setting both is refused",
@@ -115,7 +144,7 @@ class ParityGRPOConfig(GRPOConfig):
     """``GRPOConfig`` plus the shared rollout-parity flags (docs/flags.md)."""
 
     rollout_importance_sampling_mode: Optional[str] = _shared_field("rollout_importance_sampling_mode")
-    rollout_importance_sampling_threshold: float = _shared_field("rollout_importance_sampling_threshold")
+    rollout_importance_sampling_threshold: Optional[float] = _shared_field("rollout_importance_sampling_threshold")
     rollout_importance_sampling_threshold_lower: Optional[float] = _shared_field(
         "rollout_importance_sampling_threshold_lower")
     rollout_importance_sampling_sequence_reduction: str = _shared_field(
@@ -144,12 +173,17 @@ class ParityGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         for name in CorrectionConfig.field_names():
             setattr(self, name, flag_from_text(name, getattr(self, name)))
+        delta = self.off_policy_sequence_mask_delta
+        if isinstance(delta, (int, float)) and not isinstance(delta, bool) and delta == 0:
+            raise FlagError("off_policy_sequence_mask_delta: 0 is refused (the shared flag takes > 0: at 0 every "
+                            "negative-advantage sequence with any drift, which the mismatch alone gives, is masked); "
+                            "TRL's own off_policy_mask_threshold=0 works beside the flags and masks as TRL does")
         self.correction_config()  # validates; the error names the flag
         super().__post_init__()
 
     def correction_config(self) -> CorrectionConfig:
         """The core's ``CorrectionConfig`` for these flags."""
-        return CorrectionConfig(**{name: getattr(self, name) for name in CorrectionConfig.field_names()})
+        return CorrectionConfig(**core_flags({name: getattr(self, name) for name in CorrectionConfig.field_names()}))
 
 
 def correction_config_from_args(args: Any) -> CorrectionConfig:
@@ -161,4 +195,5 @@ def as_correction_config(config: CorrectionConfig | Mapping[str, Any] | None, ar
     """``config`` as the core's type, or the flags of ``args`` when ``config`` is None."""
     if config is None:
         return correction_config_from_args(args)
-    return config if isinstance(config, CorrectionConfig) else CorrectionConfig.from_dict(config)
+    return config if isinstance(config, CorrectionConfig) else CorrectionConfig.from_dict(
+        core_flags(config) if _UPPER in config else config)

@@ -47,8 +47,10 @@ def diagnosed_loss(state: Any, original: Any, model: Any, inputs: Mapping[str, A
         values = torch.cat([drift_sums, out.pending_metrics.to(drift_sums.device)]).tolist()  # the one host sync
     ours = out.finish_metrics(values[2:])
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
-    for name in THETA_METRICS:
-        metrics[name].append(ours[name])
+    trl_own_mask = state.config.off_policy_sequence_mask_delta is None and trainer.off_policy_mask_threshold is not None
+    for name in THETA_METRICS:  # TRL's own off_policy_mask_threshold acting: our fraction (of no mask) would say 0
+        if not (trl_own_mask and name.endswith("off_policy_masked_frac")):
+            metrics[name].append(ours[name])
     total, count = values[:2]
     metrics["rollout_correction/ppo_k1_mean"].append(total / count if count else 0.0)  # as masked_mean
     return loss

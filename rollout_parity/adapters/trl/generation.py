@@ -140,16 +140,32 @@ def _hand_over(output: dict, name: str, value: torch.Tensor, trl_had_it: bool = 
     output[name] = value
 
 
-def _ratio_metrics(cfg: Any, weights: torch.Tensor, kept: torch.Tensor, group: Any) -> dict[str, float]:
-    """TRL's ``sampling/importance_sampling_ratio/*``, of the weights that act: global min / mean / max over the
-    loss's tokens, or over its sequences for a per-sequence weight (TRL's own reading of a sequence-level ratio)."""
+def per_sequence_weight(cfg: Any) -> bool:
+    """Whether ``cfg``'s IS weight is one value per sequence (TRL's ``sequence_*`` modes are)."""
     mode = cfg.rollout_importance_sampling_mode or ""
-    if mode == "sequence_truncate" or (mode == "sequence_mask"
-                                       and cfg.rollout_importance_sampling_sequence_mask_weight == "sequence"):
-        rows = kept.any(dim=-1)  # one weight per sequence: its value on any kept token
+    return mode == "sequence_truncate" or (mode == "sequence_mask"
+                                           and cfg.rollout_importance_sampling_sequence_mask_weight == "sequence")
+
+
+def _ratio_metrics(cfg: Any, weights: torch.Tensor, kept: torch.Tensor, loss_mask: torch.Tensor,
+                   group: Any) -> dict[str, float]:
+    """TRL's ``sampling/importance_sampling_ratio/*``, of the weights that act: global min / mean / max over the
+    loss's tokens, or over its sequences for a per-sequence weight. TRL's own reading of a sequence-level ratio
+    counts every completion, one without loss tokens (log ratio 0) with the weight of a ratio of 1; so do we (a
+    sequence our rejection took out of the loss is left out: no weight of it acts)."""
+    if per_sequence_weight(cfg):
+        empty = ~(loss_mask != 0).any(dim=-1)  # no loss token: TRL's sequence ratio exp(0), clamped or masked
+        rows = kept.any(dim=-1) | empty
         first = kept.to(torch.uint8).argmax(dim=-1, keepdim=True)
-        weights, kept = weights.gather(-1, first).squeeze(-1), rows
-    summary = masked_summary(weights, kept, group, empty=1.0)
+        alone = cfg.replace(rollout_rejection=None, rollout_rejection_threshold=None,
+                            off_policy_sequence_mask_delta=None, log_rollout_offpolicy_metrics=False,
+                            compile_correction=False)
+        zero = weights.new_zeros(1, 1)  # the core's weight of a ratio of 1 under these flags
+        one = compute_correction(alone, old_logprobs=zero, rollout_logprobs=zero, response_mask=zero + 1,
+                                 with_metrics=False).weights[0, 0]
+        weights = torch.where(empty, one, weights.gather(-1, first).squeeze(-1))
+        kept = rows
+    summary = masked_summary(weights, kept, group, empty=0.0)  # TRL's value with nothing to describe
     return {"sampling/importance_sampling_ratio/min": summary.min,
             "sampling/importance_sampling_ratio/mean": summary.mean,
             "sampling/importance_sampling_ratio/max": summary.max}
@@ -207,7 +223,7 @@ def corrected_generation(state: Any, original: Any, inputs: Any) -> dict:
             _hand_over(output, "sampling_per_token_logps", behaviour.masked_fill(~behaviour.isfinite(), math.nan))
         if bypass:  # pi_old := pi_rollout on the trainer's support; an engine NaN / inf takes TRL's pi_old (counted)
             _hand_over(output, "old_per_token_logps", rollout_on_full_vocabulary(rollout, old, processed_old))
-        logged.update(_ratio_metrics(cfg, ratio, kept, group))
+        logged.update(_ratio_metrics(cfg, ratio, kept, loss_mask, group))
     for name in TRL_SAMPLING_METRICS:  # where we log one of TRL's sampling/* keys, TRL's own value of this batch goes
         if name in logged and name in metrics:
             del metrics[name][lengths.get(name, 0):]

@@ -19,12 +19,26 @@ from rollout_parity.adapters.trl.routing import refuse_routing_replay
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
 
-__all__ = ["MissingRolloutLogprobsError", "TRL_RATIO_FIELDS", "sampling_settings", "refuse_without_vllm", "refuse",
-           "refuse_trainer"]
+__all__ = ["MissingRolloutLogprobsError", "TRL_RATIO_FIELDS", "trl_ratio_as_flags", "sampling_settings",
+           "refuse_without_vllm", "refuse", "refuse_trainer"]
 
 #: TRL's own importance-sampling settings (``GRPOConfig``), which our weights replace in the same channel.
 TRL_RATIO_FIELDS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
                     "vllm_importance_sampling_clip_min")
+
+
+def trl_ratio_as_flags(mode: str, clip_max: Optional[float], clip_min: Optional[float]) -> dict[str, Any]:
+    """The shared flags that give TRL's own ratio (``vllm_importance_sampling_mode`` / ``_clip_max`` / ``_clip_min``):
+    its weights and masks (docs/trl.md, "TRL's own correction, as our flags"). ``clip_max=None`` is an upper bound of
+    null (none)."""
+    flags: dict[str, Any] = {"rollout_importance_sampling_mode": mode,
+                             "rollout_importance_sampling_threshold": clip_max,
+                             "rollout_importance_sampling_threshold_lower": clip_min}
+    if mode.startswith("sequence"):  # TRL: exp of the sum of token log-ratios; masked sequences keep rho_seq
+        flags["rollout_importance_sampling_sequence_reduction"] = "product"
+        if mode == "sequence_mask":
+            flags["rollout_importance_sampling_sequence_mask_weight"] = "sequence"
+    return flags
 
 
 class MissingRolloutLogprobsError(ValueError):
@@ -70,9 +84,11 @@ def refuse(cfg: CorrectionConfig, flags: Any, sampling: Any, *, model_config: An
     if flags.loss_type == "vespo" and own_ratio.get("vllm_importance_sampling_mode") in ("token_truncate", "token_mask"):
         del own_ratio["vllm_importance_sampling_mode"]  # TRL's constructor demands a token mode for vespo
     if cfg.changes_loss and own_ratio:
+        same = trl_ratio_as_flags(*(getattr(flags, k) for k in TRL_RATIO_FIELDS))
         raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in own_ratio.items())} configures TRL's own importance "
                          f"sampling, which rollout-parity's correction ({describe_flags(cfg)}) replaces in the same "
-                         "channel: set only one of the two")
+                         "channel: set only one of the two (TRL's ratio as rollout-parity's flags: "
+                         f"{', '.join(f'{k}={v!r}' for k, v in same.items())})")
     if cfg.off_policy_sequence_mask_delta is not None and off_policy_mask_threshold is not None:
         raise ValueError(f"off_policy_mask_threshold={off_policy_mask_threshold} and off_policy_sequence_mask_delta="
                          f"{cfg.off_policy_sequence_mask_delta}: the shared flag is handed to TRL as that threshold")
