@@ -60,7 +60,7 @@ def test_launch_binds_trl_names_with_the_flags_and_restores_them(probe, tmp_path
                    "--rollout_rejection_threshold", "0.001,0.5", "--fp32_lm_head",
                    str(probe), "--output_dir", str(tmp_path), "--use_cpu", "true",
                    "--rollout_importance_sampling_threshold", "3"])  # the script's own flag wins over the default
-    assert code == 0
+    assert code == 1  # the probe builds no trainer: no flag acted, and the launch says so in its exit code
     seen = _read(tmp_path)
     assert seen["trainer_mro"][1:] == ["rollout_parity.adapters.trl.trainer.ParityGRPOTrainer",
                                        "trl.trainer.grpo_trainer.GRPOTrainer"]
@@ -72,16 +72,37 @@ def test_launch_binds_trl_names_with_the_flags_and_restores_them(probe, tmp_path
     assert seen["argv"][0] == str(probe) and "--output_dir" in seen["argv"]
     assert (trl.GRPOConfig, trl.GRPOTrainer) == before
     assert "built no GRPOTrainer" in capsys.readouterr().err  # the probe built none: said, not silent
+    # --help: the script exits before it could build one, and that is no failure
+    assert launch(["--fp32_lm_head", str(probe), "--help"]) == 0
+    assert "built no GRPOTrainer" not in capsys.readouterr().err
 
 
 def test_preset_and_module_form(tmp_path, monkeypatch):
     (tmp_path / "probe_module.py").write_text(PROBE)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert launch(["--preset", "tis_srs_k3", "--off_policy_sequence_mask_delta", "0.1", "-m", "probe_module",
-                   "--output_dir", str(tmp_path), "--use_cpu", "true"]) == 0
+                   "--output_dir", str(tmp_path), "--use_cpu", "true"]) == 1  # it builds no trainer
     expected = CorrectionConfig.preset("tis_srs_k3", off_policy_sequence_mask_delta=0.1)
     assert _read(tmp_path)["flags"] == expected.to_dict()
     sys.modules.pop("probe_module", None)
+
+
+def test_a_script_importing_the_adapters_classes_gets_the_launchers_flags(tmp_path):
+    """examples/trl_grpo.py imports ParityGRPOConfig / ParityGRPOTrainer itself (the import swap): under the launcher
+    those names are the launcher's too, so the flags act (they were silently dropped: every flag at its default)."""
+    script = tmp_path / "swap_probe.py"
+    script.write_text(PROBE.replace("from trl import GRPOConfig, GRPOTrainer, TrlParser",
+                                    "from trl import TrlParser\n"
+                                    "from rollout_parity.adapters.trl import ParityGRPOConfig as GRPOConfig\n"
+                                    "from rollout_parity.adapters.trl import ParityGRPOTrainer as GRPOTrainer"))
+    assert launch(["--rollout_importance_sampling_mode", "token_mask", "--fp32_lm_head", "true", str(script),
+                   "--output_dir", str(tmp_path), "--use_cpu", "true"]) == 1  # no trainer built: no flag acted
+    seen = _read(tmp_path)
+    expected = CorrectionConfig(rollout_importance_sampling_mode="token_mask", fp32_lm_head=True).to_dict()
+    assert seen["flags"] == expected and seen["default"] == expected
+    from rollout_parity.adapters import trl as adapter
+
+    assert adapter.ParityGRPOConfig.__module__ == "rollout_parity.adapters.trl.config"  # restored afterwards
 
 
 def test_bad_flag_is_exit_code_2_naming_it(probe, capsys):

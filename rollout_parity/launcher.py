@@ -118,12 +118,16 @@ def install(cfg: CorrectionConfig) -> tuple[Callable[[], None], list]:
     for module in (trl, trl.trainer):
         patches.replace(module, "GRPOConfig", config_class)
         patches.replace(module, "GRPOTrainer", trainer_class)
+    # A script that imports the adapter's classes itself (the import swap, examples/trl_grpo.py) gets them too.
+    adapter = sys.modules["rollout_parity.adapters.trl"]
+    patches.replace(adapter, "ParityGRPOConfig", config_class)
+    patches.replace(adapter, "ParityGRPOTrainer", trainer_class)
     return patches.revert, built
 
 
 def _parity_config(state: dict) -> Any:
     """Unpickle a launched config as the importable ``ParityGRPOConfig`` (no ``__post_init__`` rerun)."""
-    from rollout_parity.adapters.trl import ParityGRPOConfig
+    from rollout_parity.adapters.trl.config import ParityGRPOConfig  # the class itself, not a launch's binding
 
     config = ParityGRPOConfig.__new__(ParityGRPOConfig)
     config.__dict__.update(state)
@@ -201,14 +205,17 @@ def main(argv: Sequence[str]) -> int:
         run = (lambda: _run(args.module[0], args.module[1:])) if args.module else (lambda: _run(None, args.target))
         return launch_nemo_rl(run, given + (["--preset"] if args.preset else []))
     uninstall, built = install(cfg)
+    script_args = args.module[1:] if args.module else args.target[1:]
     try:
-        code = _run(args.module[0], args.module[1:]) if args.module else _run(None, args.target)
+        code = _run(args.module[0], script_args) if args.module else _run(None, args.target)
     finally:
         uninstall()
-    if code == 0 and not built:
-        print("rollout-parity launch: the script built no GRPOTrainer through trl.GRPOTrainer, so no flag acted "
-              "(a script importing trl.trainer.grpo_trainer.GRPOTrainer directly needs the import swap or apply())",
-              file=sys.stderr)
+    if code == 0 and not built and not {"-h", "--help"} & set(script_args):
+        # a line that parses is not a line that works: a run in which no flag acted is not a success
+        print(f"{PROG}: the script built no GRPOTrainer through trl.GRPOTrainer or ParityGRPOTrainer, so no flag "
+              "acted (a script importing trl.trainer.grpo_trainer.GRPOTrainer directly needs the import swap or "
+              "apply()); exit 1", file=sys.stderr)
+        return 1
     return code
 
 
