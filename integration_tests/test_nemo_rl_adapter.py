@@ -662,12 +662,16 @@ def test_bad_data_names_the_key_and_shape(nemo):
 
 
 def test_no_hand_written_copy_of_nemos_metrics():
-    """The adapter never computes NeMo RL's metrics: their names appear nowhere in its code."""
+    """The adapter never computes NeMo RL's metrics: their names appear nowhere in its code. One exception, on
+    purpose: ``is_oob_ratio``, which NeMo RL logs for its own truncation (off while ours acts), is logged from OUR
+    bounds under NeMo RL's name, defined once (test_nemo_rl_own_corrections.py checks its values)."""
     source = "\n".join(p.read_text() for p in ADAPTER.glob("*.py"))
     for name in ("probs_ratio", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
-                 "js_divergence_error", "approx_entropy", "sampling_importance_ratio", "is_oob_ratio",
+                 "js_divergence_error", "approx_entropy", "sampling_importance_ratio",
                  "kl_penalty", "num_valid_samples", "positive_nll_loss", "masked_mean", "calculate_kl"):
         assert not re.search(rf"(?<![\w]){name}(?![\w])", source), name
+    assert re.findall(r"(?<![\w])is_oob_ratio(?![\w])", source) == ["is_oob_ratio"]
+    assert 'OUT_OF_BOUNDS = "is_oob_ratio"' in (ADAPTER / "diagnostics.py").read_text()
     assert all(len(p.read_text().splitlines()) <= 400 for p in ADAPTER.glob("*.py"))
 
 

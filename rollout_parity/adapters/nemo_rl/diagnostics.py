@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TOKEN_MEANS", "SEQ_MEANS", "PPL_MEANS", "LEFT_OUT", "PREFIX", "counts", "global_shares", "normalizations"]
+__all__ = ["TOKEN_MEANS", "SEQ_MEANS", "PPL_MEANS", "LEFT_OUT", "PREFIX", "OUT_OF_BOUNDS", "counts", "global_shares",
+           "normalizations", "out_of_bounds", "oob_per_sequence"]
 
 PREFIX = "rollout_correction/"
 TOKEN_MEANS = ("k1_mean", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac", "delta_abs_mean",
@@ -24,6 +25,10 @@ TOKEN_MEANS = ("k1_mean", "k3_kl", "chi2_token", "is_weight_mean", "clipped_frac
                "loss_contrib_rollout_pos", "loss_contrib_rollout_neg")
 SEQ_MEANS = ("chi2_seq", "rejected_seq_frac", "off_policy_masked_frac")
 PPL_MEANS = ("log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio")
+#: NeMo RL's name for the share of weights its truncation moved (``truncated_importance_sampling_type`` set). With an
+#: IS mode of ours NeMo RL's truncation is off, so the adapter logs it under that name from OUR correction's bounds
+#: (not a copy of NeMo RL's computation: ``out_of_bounds`` reads our log-ratios and our flags).
+OUT_OF_BOUNDS = "is_oob_ratio"
 LEFT_OUT = ("ess", "delta_abs_max", "log_ppl_diff_max", "log_ppl_diff_min", "training_ppl",
             "training_log_ppl", "rollout_ppl", "rollout_log_ppl")
 
@@ -68,3 +73,34 @@ def normalizations(MetricNormalizer: Any, local: bool = False) -> dict[str, Any]
     out = {PREFIX + name: MetricNormalizer.TOKENS for name in TOKEN_MEANS}
     out.update({PREFIX + name: MetricNormalizer.SEQUENCES for name in SEQ_MEANS + PPL_MEANS})
     return out
+
+
+def oob_per_sequence(cfg: Any, sequence_level_ratios: bool) -> bool:
+    """Whether ``OUT_OF_BOUNDS`` counts sequences (÷ global valid sequences) or tokens (÷ global valid tokens).
+
+    NeMo RL's convention: a sequence-level decision on token-level weights (its ``seq-mask-tis``; ours:
+    any ``sequence_*`` mode) counts sequences; under GSPO (``sequence_level_importance_ratios``, one weight per
+    sequence already) and for token modes it counts tokens.
+    """
+    mode = cfg.rollout_importance_sampling_mode or ""
+    return mode.startswith("sequence") and not sequence_level_ratios
+
+
+def out_of_bounds(cfg: Any, out: Any, mask: torch.Tensor, sample_mask: torch.Tensor,
+                  per_sequence: bool) -> torch.Tensor:
+    """How many tokens (or sequences, ``per_sequence``) our IS mode truncated or zeroed, a 0-d tensor on the device:
+    a weight outside ``[lower, C]`` of our flags, read from the correction's own (clamped) log-ratios."""
+    upper = cfg.rollout_importance_sampling_threshold
+    lower = cfg.rollout_importance_sampling_threshold_lower
+
+    def outside(log_ratio: torch.Tensor) -> torch.Tensor:
+        ratio = log_ratio.exp()
+        hit = ratio > upper
+        if lower is not None:
+            hit = hit | (ratio < lower)
+        return hit.to(mask.dtype)
+
+    if cfg.rollout_importance_sampling_mode.startswith("sequence"):
+        seq = outside(out.sequence_log_ratio.to(mask.dtype))
+        return (seq * sample_mask).sum() if per_sequence else (seq.unsqueeze(-1) * mask).sum()
+    return (outside(out.log_ratio.to(mask.dtype)) * mask).sum()

@@ -20,7 +20,8 @@ import torch
 from rollout_parity.adapters._refusals import refuse_engine_side_flags
 from rollout_parity.adapters.nemo_rl import diagnostics
 from rollout_parity.adapters.nemo_rl.recipe import NEMO_RL_FP32_HEAD_REFUSAL
-from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, GUARD_KEY, as_dict, split_loss_config
+from rollout_parity.adapters.nemo_rl.translate import (BLOCK_KEY, GUARD_KEY, NEMO_TRUNCATION_KEYS, as_dict,
+                                                      correction_from_nemo_rl, split_loss_config)
 from rollout_parity.adapters.nemo_rl.versions import nemo_loss_names
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
@@ -97,10 +98,18 @@ class RolloutParityLossFn:
             kl_type=getattr(inner, "reference_policy_kl_type", "k3"),
             own_truncation=getattr(inner, "truncated_importance_sampling_ratio", None) is not None,
             sequence_level=bool(getattr(inner, "sequence_level_importance_ratios", False)))
-        if hasattr(inner, "metric_normalizations") and names.MetricNormalizer is not None:
+        #: NeMo RL's out-of-bounds share (diagnostics.OUT_OF_BOUNDS) from our bounds, with an IS mode of ours:
+        #: True counts sequences, False tokens, None: not logged
+        self.oob_per_sequence = None if correction.rollout_importance_sampling_mode is None else \
+            diagnostics.oob_per_sequence(correction, self.nemo_settings.sequence_level)
+        if hasattr(inner, "metric_normalizations") and names.MetricNormalizer is not None and correction.wants_metrics:
+            # Only what the call returns: with the flags null the table is NeMo RL's own, object and all.
             ours = diagnostics.normalizations(names.MetricNormalizer, metrics == "local")
             if metrics == "nemo":
                 ours = nemo_rl_names(ours, correction, self.nemo_settings)
+            if self.oob_per_sequence is not None:
+                norm = names.MetricNormalizer
+                ours[diagnostics.OUT_OF_BOUNDS] = norm.SEQUENCES if self.oob_per_sequence else norm.TOKENS
             self.metric_normalizations = {**inner.metric_normalizations, **ours}
 
     @classmethod
@@ -110,6 +119,24 @@ class RolloutParityLossFn:
         the shared flags from ``rollout_correction``, everything else for NeMo RL's loss."""
         correction, nemo = split_loss_config(loss_cfg)
         return cls(correction, nemo, *nemo_args, metrics=metrics, **nemo_kwargs)
+
+    @classmethod
+    def from_nemo_is_config(cls, loss_cfg: Any, *nemo_args: Any, metrics: str = "nemo",
+                            **nemo_kwargs: Any) -> "RolloutParityLossFn":
+        """NeMo RL's own ``loss_fn`` (no ``rollout_correction``) with its importance-sampling keys carried out by
+        our correction: NeMo RL's own constructor checks the block first (its assertions, its messages), then
+        ``correction_from_nemo_rl`` gives the shared flags and NeMo RL's truncation keys leave its loss (its
+        ``use_importance_sampling_correction`` is then turned off inside, as for any IS mode of ours)."""
+        keys = as_dict(loss_cfg)
+        if set(keys) & {BLOCK_KEY, GUARD_KEY}:
+            raise ValueError(f"loss_fn carries {BLOCK_KEY}: use RolloutParityLossFn.from_nemo_config")
+        names = nemo_loss_names()
+        names.ClippedPGLossFn(names.ClippedPGLossConfig(**keys), *nemo_args, **nemo_kwargs)  # NeMo RL's own checks
+        correction = correction_from_nemo_rl(keys)
+        if correction.rollout_importance_sampling_mode is not None:
+            for key in NEMO_TRUNCATION_KEYS:
+                keys.pop(key, None)
+        return cls(correction, keys, *nemo_args, metrics=metrics, **nemo_kwargs)
 
     # --------------------------------------------------------------- NeMo RL reads these
 
@@ -162,7 +189,9 @@ class RolloutParityLossFn:
         cur_in = next_token_logprobs.masked_fill(padding, 0.0)
         call = dict(global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks, **kwargs)
         loss, metrics = inner(next_token_logprobs=cur_in, data=view, **call)
-        got, ours = self._read_back(loss, bad_gen, out, mask, sample_mask, global_valid_toks, global_valid_seqs)
+        oob = None if self.oob_per_sequence is None else \
+            diagnostics.out_of_bounds(cfg, out, mask, sample_mask, self.oob_per_sequence)
+        got, ours = self._read_back(loss, bad_gen, out, mask, sample_mask, global_valid_toks, global_valid_seqs, oob)
         if got["bad_gen"]:
             # NeMo RL's metrics of such a batch are NaN or inf. Ours come from the same loss on the
             # batch where the engine agreed with π_old on those tokens (a difference on purpose;
@@ -172,6 +201,9 @@ class RolloutParityLossFn:
             with torch.no_grad():
                 _, metrics = inner(next_token_logprobs=cur_in.detach(), data=agreed, **call)
             metrics = {**metrics, "loss": got["loss"]}
+        if oob is not None:  # NeMo RL's name and normalisation for the share our bounds moved
+            total = got["gvs"] if self.oob_per_sequence else got["gvt"]
+            metrics = {**metrics, diagnostics.OUT_OF_BOUNDS: got["oob"] / total if total > 0 else 0.0}
         if not want:
             return loss, metrics
         if self.metrics_mode == "local":
@@ -179,13 +211,15 @@ class RolloutParityLossFn:
         ours = diagnostics.global_shares(ours, got)
         return loss, {**metrics, **nemo_rl_names(ours, cfg, self.nemo_settings)}
 
-    def _read_back(self, loss, bad_gen, out, mask, sample_mask, gvt, gvs) -> tuple[dict[str, float], dict]:
+    def _read_back(self, loss, bad_gen, out, mask, sample_mask, gvt, gvs, oob=None) -> tuple[dict[str, float], dict]:
         """Everything the hand-over needs on the host, in one transfer: whether an engine logprob is not
         finite, the loss, the counts :func:`diagnostics.global_shares` scales by, and the core's pending
         diagnostics (named)."""
         with torch.no_grad():
             parts = {"bad_gen": bad_gen.any(), "loss": loss.detach()}
-            if self.correction.wants_metrics:
+            if oob is not None:
+                parts["oob"] = oob
+            if self.correction.wants_metrics or oob is not None:
                 parts.update(diagnostics.counts(out, mask, sample_mask))
                 for name, value in (("gvt", gvt), ("gvs", gvs)):
                     parts[name] = value.detach() if torch.is_tensor(value) else torch.tensor(float(value))

@@ -15,7 +15,7 @@ from typing import Any
 from rollout_parity.core.config import CorrectionConfig, refuse_unknown
 from rollout_parity.core.ratios import LOG_RATIO_BOUND
 
-__all__ = ["BLOCK_KEY", "GUARD_KEY", "RESOLVER", "NEMO_IS_TYPES", "as_dict", "carries_block",
+__all__ = ["BLOCK_KEY", "GUARD_KEY", "RESOLVER", "NEMO_IS_TYPES", "NEMO_TRUNCATION_KEYS", "as_dict", "carries_block",
            "split_loss_config", "correction_from_nemo_rl"]
 
 #: ``loss_fn.rollout_correction``: the shared flags.
@@ -24,6 +24,9 @@ BLOCK_KEY = "rollout_correction"
 GUARD_KEY = "rollout_parity"
 RESOLVER = "rollout_parity"
 NEMO_IS_TYPES = ("tis", "icepop", "seq-mask-tis")
+#: NeMo RL's truncation keys, which our flags replace (``RolloutParityLossFn.from_nemo_is_config``).
+NEMO_TRUNCATION_KEYS = ("truncated_importance_sampling_type", "truncated_importance_sampling_ratio",
+                        "truncated_importance_sampling_ratio_min")
 
 
 def as_dict(cfg: Any) -> dict:
@@ -81,22 +84,32 @@ def correction_from_nemo_rl(loss_cfg: Any) -> CorrectionConfig:
     """The shared flags that reproduce NeMo RL's own importance-sampling settings.
 
     Reads ``use_importance_sampling_correction``, ``truncated_importance_sampling_type``
-    (``tis`` | ``icepop`` | ``seq-mask-tis``), ``truncated_importance_sampling_ratio`` and
-    ``truncated_importance_sampling_ratio_min`` from a ``loss_fn`` block (dict, OmegaConf or
-    NeMo RL's pydantic ``ClippedPGLossConfig``). Invalid combinations raise ``ValueError``
-    naming the key, where NeMo RL would assert. Plain IS (no type) maps to a cap of e^20: the
-    core clamps every log-ratio to ±20 (docs/nemo_rl.md, "Extreme values").
+    (``tis`` | ``icepop`` | ``seq-mask-tis``), ``truncated_importance_sampling_ratio``,
+    ``truncated_importance_sampling_ratio_min`` and ``sequence_level_importance_ratios`` (GSPO) from a
+    ``loss_fn`` block (dict, OmegaConf or NeMo RL's pydantic ``ClippedPGLossConfig``). Invalid
+    combinations raise ``ValueError`` naming the key, where NeMo RL would assert. Plain IS (no type)
+    maps to a cap of e^20: the core clamps every log-ratio to ±20 (docs/nemo_rl.md, "Extreme values").
+
+    With ``sequence_level_importance_ratios`` NeMo RL weighs each sequence once, by
+    ``exp(Σ_t (log π_old − log π_rollout))`` over its valid tokens, truncated (``tis``) or zeroed
+    (``icepop``) as a whole: the ``sequence_*`` modes with the ``product`` reduction.
+    A range with ``ratio_min == ratio`` (NeMo RL allows it; our flags need lower < C) gets the
+    float just below ``ratio`` as its lower bound: the same bound in float32.
     """
     cfg = as_dict(loss_cfg)
     enabled = bool(cfg.get("use_importance_sampling_correction", False))
     kind = cfg.get("truncated_importance_sampling_type")
     ratio = cfg.get("truncated_importance_sampling_ratio")
     ratio_min = cfg.get("truncated_importance_sampling_ratio_min")
+    per_sequence = bool(cfg.get("sequence_level_importance_ratios", False))
+    sequence = dict(rollout_importance_sampling_sequence_reduction="product",
+                    rollout_importance_sampling_sequence_mask_weight="sequence") if per_sequence else {}
     if kind is None:
         if not enabled:
             return CorrectionConfig()
-        return CorrectionConfig(rollout_importance_sampling_mode="token_truncate",
-                                rollout_importance_sampling_threshold=math.exp(LOG_RATIO_BOUND))
+        return CorrectionConfig(
+            rollout_importance_sampling_mode="sequence_truncate" if per_sequence else "token_truncate",
+            rollout_importance_sampling_threshold=math.exp(LOG_RATIO_BOUND), **sequence)
     if kind not in NEMO_IS_TYPES:
         raise ValueError(f"truncated_importance_sampling_type: unknown value {kind!r}; "
                          f"expected one of {NEMO_IS_TYPES}")
@@ -107,22 +120,27 @@ def correction_from_nemo_rl(loss_cfg: Any) -> CorrectionConfig:
         raise ValueError(f"truncated_importance_sampling_ratio must be > 0, got {ratio!r}")
     if kind in ("icepop", "seq-mask-tis") and ratio_min is None:
         raise ValueError(f"truncated_importance_sampling_ratio_min is required for {kind!r}")
-    if ratio_min is not None and not ratio_min < ratio:
+    if kind == "seq-mask-tis" and per_sequence:
+        raise ValueError("truncated_importance_sampling_type 'seq-mask-tis' with sequence_level_importance_ratios: "
+                         "true (NeMo RL refuses this too: seq-mask-tis keeps token-level weights)")
+    if ratio_min is not None and not ratio_min <= ratio:
         raise ValueError(
-            f"truncated_importance_sampling_ratio_min ({ratio_min}) must be < "
-            f"truncated_importance_sampling_ratio ({ratio}) (an empty or single-point range)")
+            f"truncated_importance_sampling_ratio_min ({ratio_min}) must be <= "
+            f"truncated_importance_sampling_ratio ({ratio})")
+    if ratio_min is not None and ratio_min == ratio:
+        ratio_min = math.nextafter(ratio, 0.0)  # NeMo RL's single-point range; our lower bound must be < C
     if kind == "tis":
         # NeMo RL's default lower bound 0 never binds (r > 0): same as no lower bound.
-        return CorrectionConfig(rollout_importance_sampling_mode="token_truncate",
-                                rollout_importance_sampling_threshold=ratio,
-                                rollout_importance_sampling_threshold_lower=ratio_min or None)
+        return CorrectionConfig(
+            rollout_importance_sampling_mode="sequence_truncate" if per_sequence else "token_truncate",
+            rollout_importance_sampling_threshold=ratio,
+            rollout_importance_sampling_threshold_lower=ratio_min or None, **sequence)
     if kind == "icepop":
-        return CorrectionConfig(rollout_importance_sampling_mode="token_mask",
+        return CorrectionConfig(rollout_importance_sampling_mode="sequence_mask" if per_sequence else "token_mask",
                                 rollout_importance_sampling_threshold=ratio,
-                                rollout_importance_sampling_threshold_lower=ratio_min)
+                                rollout_importance_sampling_threshold_lower=ratio_min, **sequence)
     return CorrectionConfig(rollout_importance_sampling_mode="sequence_mask",
                             rollout_importance_sampling_threshold=ratio,
                             rollout_importance_sampling_threshold_lower=ratio_min,
                             rollout_importance_sampling_sequence_reduction="geometric_mean",
                             rollout_importance_sampling_sequence_mask_weight="token")
-
