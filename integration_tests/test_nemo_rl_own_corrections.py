@@ -227,3 +227,15 @@ def test_from_nemo_is_config_takes_a_plain_nemo_block_only(nemo):
     assert loss_fn.correction == correction_from_nemo_rl(tis(2.0, 0.5))
     plain = RolloutParityLossFn.from_nemo_is_config({"ratio_clip_max": 0.28})
     assert plain.correction == CorrectionConfig() and plain.ratio_clip_max == 0.28
+
+
+def test_from_nemo_is_config_metrics_local_gives_each_microbatchs_own_means(nemo):
+    """``metrics="local"``: our diagnostics as each microbatch's own means; the default ``"nemo"`` pre-divides them
+    by NeMo RL's global counts, so that NeMo RL's sum over the microbatches is the batch's mean."""
+    cfg = tis(1.1)
+    make = batch(nemo, 3)
+    _, _, shares = run(nemo, RolloutParityLossFn.from_nemo_is_config(cfg), make, microbatch=2)
+    _, _, local = run(nemo, RolloutParityLossFn.from_nemo_is_config(cfg, metrics="local"), make, microbatch=2)
+    key = "rollout_correction/is_weight_mean"
+    assert 0.5 < shares[key] < 1.5  # the batch's mean weight (summed shares)
+    assert local[key] > 1.5 * shares[key]  # summed microbatch means: one per microbatch, not a share of one mean

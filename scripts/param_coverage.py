@@ -94,11 +94,11 @@ ALLOWED: dict[str, str] = {
     # with_rollout_parity never reads ``name`` (loss.py's metric comprehension rebinds the name); it
     # only keys _wrapped_loss's cache, whose result does not depend on it.
     "adapters.verl.loss.with_rollout_parity name": "unused by the wrapper (a cache key of its caller)",
-    # TRL's own GRPOConfig fields, redeclared with TRL's default only to say in --help how the shared flags meet
-    # them; test_trl_adapter.py sets them (as mappings the scan cannot see) and asserts the refusals and warnings.
-    **{f"adapters.trl.config.ParityGRPOConfig {name}": "TRL's own field (help text added; TRL's tests own it)"
-       for name in ("cast_lm_head_to_fp32", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-                    "vllm_importance_sampling_clip_min")},
+    # TRL's own GRPOConfig field, redeclared with TRL's default only to say in --help how the shared flags meet it;
+    # test_trl_adapter.py sets it (as a mapping the scan cannot see) and asserts the refusals and warnings. (TRL's
+    # vllm_importance_sampling_* fields are set by test_trl_own_correction.py's grid.)
+    "adapters.trl.config.ParityGRPOConfig cast_lm_head_to_fp32":
+        "TRL's own field (help text added; TRL's tests own it)",
 }
 
 #: Parameters whose tests wait for an open issue that replaces them; printed as PENDING with the issue
