@@ -15,12 +15,13 @@ a −inf on one side is maximal mismatch) and clamped to ±20; π_old is the tra
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 #: What adapters, tests and docs read; ``Metric`` and ``Condition`` are the table's parts.
-__all__ = ["METRICS", "RENAMED", "NemoRLLoss", "verl_names", "trl_names", "nemo_rl_names", "markdown_table"]
+__all__ = ["METRICS", "RENAMED", "metric_for", "verl_expresses_is", "NemoRLLoss", "verl_names", "trl_names", "nemo_rl_names", "markdown_table"]
 
 PREFIX = "rollout_correction/"
 
@@ -67,6 +68,38 @@ ICEPOP = Condition("IcePop", "`token_mask` with a lower bound (verl's token IceP
                    and cfg.rollout_importance_sampling_threshold_lower is not None)
 REJECTION_ON = Condition("rejection", "`rollout_rejection` is set", lambda cfg, fw: cfg.rollout_rejection is not None)
 
+
+def verl_expresses_is(cfg: Any) -> bool:
+    """verl's own ``rollout_is`` has this IS mode: token TIS, token IcePop (a lower bound > 0), the product
+    sequence ratio truncated, or masked with a lower bound and kept sequences weighted by ρ_seq."""
+    mode, lower = cfg.rollout_importance_sampling_mode, cfg.rollout_importance_sampling_threshold_lower
+    if mode is None:
+        return False
+    if mode == "token_truncate":
+        return lower is None
+    if mode == "token_mask":
+        return lower is not None and lower > 0
+    if cfg.rollout_importance_sampling_sequence_reduction != "product":
+        return False
+    if mode == "sequence_truncate":
+        return lower is None
+    return lower is not None and lower > 0 and cfg.rollout_importance_sampling_sequence_mask_weight == "sequence"
+
+
+VERL_IS = Condition("verl IS", "an IS mode verl's `rollout_is` has: `token_truncate` without a lower bound (TIS), "
+                    "`token_mask` with one (IcePop), `sequence_truncate` or `sequence_mask` (lower bound, "
+                    "`sequence_mask_weight=sequence`) with `sequence_reduction=product`",
+                    lambda cfg, fw: verl_expresses_is(cfg))
+VERL_IS_TOKEN = Condition("verl IS, token", "a verl IS mode (above) at token level",
+                          lambda cfg, fw: verl_expresses_is(cfg)
+                          and cfg.rollout_importance_sampling_mode.startswith("token"))
+VERL_IS_SEQ = Condition("verl IS, sequence", "a verl IS mode (above) at sequence level",
+                        lambda cfg, fw: verl_expresses_is(cfg)
+                        and cfg.rollout_importance_sampling_mode.startswith("sequence"))
+VERL_SEQ_ICEPOP = Condition("verl sequence IcePop", "`sequence_mask` as verl has it (a lower bound, "
+                            "`sequence_reduction=product`, `sequence_mask_weight=sequence`)",
+                            lambda cfg, fw: verl_expresses_is(cfg)
+                            and cfg.rollout_importance_sampling_mode == "sequence_mask")
 
 def _nemo_gen_kl(kl_type: str) -> Callable[[Any, Any], bool]:
     return lambda cfg, nemo: (nemo is not None and nemo.kl_type == kl_type and _removes_no_token(cfg)
@@ -123,8 +156,10 @@ METRICS: tuple[Metric, ...] = (
     Metric(_c("k1_mean"), "mean_t(−log r) = mean_t(log π_rollout − log π_old): the k1 estimate of "
            "KL(π_rollout‖π_old), unbiased but signed (a negative value is noise, not a negative divergence)",
            nemo_rl=(("gen_kl_error", NEMO_K1),),
-           note="verl logs this formula as `rollout_corr/kl` and ms-swift as `kl`; a name that says KL and "
-                "goes negative is not used here"),
+           note="verl logs this formula as `rollout_corr/kl` and ms-swift as `kl`; our own name never says KL for "
+                "it. In verl the adapter logs it under `rollout_corr/kl` too, beside ours, with verl's signed "
+                "convention (mean(log π_rollout − log π_old), negative when the trainer is the more confident), "
+                "because verl users' dashboards read that name"),
     Metric(_c("k3_kl"), "mean_t(r − 1 − log r) ≥ 0: the k3 estimate of KL(π_rollout‖π_old)",
            verl=_v("k3_kl"), nemo_rl=(("gen_kl_error", NEMO_K3),)),
     Metric(_c("delta_abs_mean"), "mean_t abs(log r) (the paper's δ_t, eq. 1)",
@@ -155,7 +190,8 @@ METRICS: tuple[Metric, ...] = (
            verl=_v("rollout_is_eff_sample_size", IS_BOUNDED),
            note="verl divides by zero when every weight is 0 (all masked); ours logs 0"),
     Metric(_c("clipped_frac"), "share of valid tokens whose weight the IS mode truncated or zeroed",
-           verl=(("rollout_corr/rollout_is_ratio_fraction_high", TIS), ("rollout_corr/rollout_is_oob_ratio", ICEPOP)),
+           verl=(("rollout_corr/rollout_is_ratio_fraction_high", TIS), ("rollout_corr/rollout_is_oob_ratio", ICEPOP),
+                 ("rollout_corr/rollout_is_oob_ratio", VERL_SEQ_ICEPOP)),
            note="NeMo RL's `is_oob_ratio` is this formula for its own truncation, which is off while ours acts"),
     # ------------------------------------------------ what the correction removed
     Metric(_c("rejected_token_frac"), "share of valid tokens `rollout_rejection` removed",
@@ -180,6 +216,66 @@ METRICS: tuple[Metric, ...] = (
            "(they get the boundary rule)", source="sampler"),
     Metric(_c("sampler_replayed_frac"), "share of valid tokens renormalised over the engine's own kept set "
            "(`rollout_sampling_replay`)", source="sampler"),
+    # ------------------------------------------------ the IS weights' spread (``metrics.weight_distribution_metrics``)
+    Metric(_c("is_weight_max"), "max_t w", verl=_v("rollout_is_max", VERL_IS_TOKEN), source="distribution"),
+    Metric(_c("is_weight_min"), "min_t w", verl=_v("rollout_is_min", VERL_IS_TOKEN), source="distribution"),
+    Metric(_c("is_seq_ratio_max"), "sequence modes: max_i ρ_i, the raw sequence ratio before truncation or masking",
+           verl=_v("rollout_is_max", VERL_IS_SEQ), source="distribution"),
+    Metric(_c("is_seq_ratio_min"), "sequence modes: min_i ρ_i", verl=_v("rollout_is_min", VERL_IS_SEQ),
+           source="distribution"),
+    Metric(_c("is_weight_std"), "the token std of w (population)", verl=_v("rollout_is_std", VERL_IS),
+           source="distribution"),
+    Metric(_c("is_ratio_fraction_high"), "share of valid tokens whose raw r exceeds the IS threshold C (sequence "
+           "modes: share of sequences with ρ_i > C); under token TIS the same value as `clipped_frac`", verl=_v("rollout_is_ratio_fraction_high", VERL_IS),
+           source="distribution"),
+    Metric(_c("is_ratio_fraction_low"), "the same below the lower bound (1/C without one)",
+           verl=_v("rollout_is_ratio_fraction_low", VERL_IS), source="distribution"),
+    Metric(_c("is_seq_mean"), "mean_i of w̄_i, each sequence's mean weight", verl=_v("rollout_is_seq_mean", VERL_IS),
+           source="distribution"),
+    Metric(_c("is_seq_std"), "std_i of w̄_i (unbiased; 0 for one sequence)", verl=_v("rollout_is_seq_std", VERL_IS),
+           source="distribution"),
+    Metric(_c("is_seq_max"), "max_i w̄_i", verl=_v("rollout_is_seq_max", VERL_IS), source="distribution"),
+    Metric(_c("is_seq_min"), "min_i w̄_i", verl=_v("rollout_is_seq_min", VERL_IS), source="distribution"),
+    Metric(_c("is_seq_max_deviation"), "max_i abs(w̄_i − 1)", verl=_v("rollout_is_seq_max_deviation", VERL_IS),
+           source="distribution"),
+    Metric(_c("is_seq_fraction_high"), "share of sequences whose mean raw ratio (before truncation) exceeds C",
+           verl=_v("rollout_is_seq_fraction_high", VERL_IS), source="distribution"),
+    Metric(_c("is_seq_fraction_low"), "the same below the lower bound (1/C without one)",
+           verl=_v("rollout_is_seq_fraction_low", VERL_IS), source="distribution"),
+    Metric(_c("is_batch_norm_factor"), "with verl's `rollout_is_batch_normalize`: the mean the weights were divided "
+           "by (token mean, or mean over sequences for the sequence modes); the other `is_*` describe the weights "
+           "before it", verl=_v("rollout_is_batch_norm_factor", IS_ON), source="verl"),
+    # ------------------------------------------------ each rejection rule (``metrics.rejection_rule_metrics``)
+    Metric(_c("rejection/{option}/mean"), "the token mean of the rule's statistic S (per token K1 = −log r, K2, K3; a sequence rule's S counted once per valid token of its sequence)",
+           verl=(("rollout_corr/rollout_rs_{option}_mean", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/max"), "max of S over valid tokens (token rules) or sequences (sequence rules)",
+           verl=(("rollout_corr/rollout_rs_{option}_max", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/min"), "min of S, the same way",
+           verl=(("rollout_corr/rollout_rs_{option}_min", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/std"), "the token std of S clamped to its bounds ([log lo, log hi] for K1, [0, hi] otherwise)",
+           verl=(("rollout_corr/rollout_rs_{option}_std", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/fraction_high"), "share (tokens or sequences, as `max`) with S above its bound (log hi for K1)",
+           verl=(("rollout_corr/rollout_rs_{option}_fraction_high", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/fraction_low"), "K1: the same below log lo; 0 otherwise",
+           verl=(("rollout_corr/rollout_rs_{option}_fraction_low", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/seq_mean"), "mean_i S_i over sequences (a token rule's S_i is its sequence mean)",
+           verl=(("rollout_corr/rollout_rs_{option}_seq_mean", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/seq_std"), "std_i S_i (unbiased; 0 for one sequence)",
+           verl=(("rollout_corr/rollout_rs_{option}_seq_std", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/seq_max"), "max_i S_i",
+           verl=(("rollout_corr/rollout_rs_{option}_seq_max", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/seq_min"), "min_i S_i",
+           verl=(("rollout_corr/rollout_rs_{option}_seq_min", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/seq_max_deviation"), "max_i abs(S_i)",
+           verl=(("rollout_corr/rollout_rs_{option}_seq_max_deviation", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/seq_fraction_high"), "share of sequences with S_i above the upper bound",
+           verl=(("rollout_corr/rollout_rs_{option}_seq_fraction_high", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/seq_fraction_low"), "K1 only: share of sequences with S_i below log lo",
+           verl=(("rollout_corr/rollout_rs_{option}_seq_fraction_low", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/masked_fraction"), "share of valid tokens this rule alone rejects",
+           verl=(("rollout_corr/rollout_rs_{option}_masked_fraction", REJECTION_ON),), source="rejection"),
+    Metric(_c("rejection/{option}/seq_masked_fraction"), "share of sequences with a token this rule alone rejects",
+           verl=(("rollout_corr/rollout_rs_{option}_seq_masked_fraction", REJECTION_ON),), source="rejection"),
     # ------------------------------------------------ the policy loss
     Metric("policy/pg_clipfrac", "share of loss tokens where the clipped term bound the PPO loss "
            "(`policy_loss`)", verl=(("actor/pg_clipfrac", ALWAYS),), trl=(("clip_ratio/region_mean", ALWAYS),),
@@ -208,6 +304,22 @@ METRICS: tuple[Metric, ...] = (
 )
 
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
+#: The per-rule names (``{option}`` is a ``rollout_rejection`` option): a regular expression for each.
+_PATTERNS: tuple[tuple["re.Pattern[str]", Metric], ...] = tuple(
+    (re.compile(re.escape(m.name).replace(re.escape("{option}"), "(?P<option>[a-z0-9_]+)") + "$"), m)
+    for m in METRICS if "{option}" in m.name)
+
+
+def metric_for(key: str) -> tuple[Optional[Metric], dict[str, str]]:
+    """The table's entry for a logged key, and the values of its placeholders (``{option}``)."""
+    metric = BY_NAME.get(key)
+    if metric is not None:
+        return metric, {}
+    for pattern, metric in _PATTERNS:
+        match = pattern.match(key)
+        if match:
+            return metric, match.groupdict()
+    return None, {}
 
 #: Old name -> new name, for dashboards and scripts that read the names before this table.
 RENAMED: dict[str, str] = {
@@ -221,8 +333,9 @@ RENAMED: dict[str, str] = {
 def _renamed(metrics: Mapping[str, float], framework: str, cfg: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in metrics.items():
-        metric = BY_NAME.get(key)
-        out[(metric.key_for(framework, cfg) if metric else None) or key] = value
+        metric, fields = metric_for(key)
+        named = metric.key_for(framework, cfg) if metric else None
+        out[named.format(**fields) if named else key] = value
     return out
 
 

@@ -46,7 +46,7 @@ from .distributed import all_reduce
 from .ratios import LOG_RATIO_BOUND, TokenStats, nonfinite_to_zero_
 
 #: ``correction_metric_values`` and ``finish_correction_metrics`` are reached through ``compute_correction`` only.
-__all__ = ["PREFIX"]
+__all__ = ["PREFIX", "weight_distribution_metrics", "rejection_rule_metrics", "perplexity_metrics"]
 
 PREFIX = "rollout_correction/"
 
@@ -261,3 +261,180 @@ def _finalise(g: dict[str, float]) -> dict[str, float]:
     }
     return {PREFIX + k: float(v) for k, v in out.items()}
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Beyond the one-pass set: the distribution of the IS weights, each rejection rule's statistic, and the
+# perplexity of one policy alone. Framework-neutral quantities of a finished correction (``CorrectionOutput``'s
+# ``weights``, ``log_ratio`` and ``sequence_log_ratio``), read back once each; ``metric_names.py`` gives each
+# framework's name where the framework logs the same formula (verl: ``rollout_is_*``, ``rollout_rs_<option>_*``).
+
+
+def _row_values_summary(rows: torch.Tensor, upper: float, lower: Optional[float], reference: float,
+                        with_low: bool = True) -> dict[str, float]:
+    """mean, std (unbiased, 0 for one row), max, min, max |x − reference|, shares above ``upper`` / below ``lower``."""
+    if rows.numel() == 0:
+        out = dict(seq_mean=0.0, seq_std=0.0, seq_max=0.0, seq_min=0.0, seq_max_deviation=0.0, seq_fraction_high=0.0)
+        if with_low:
+            out["seq_fraction_low"] = 0.0
+        return out
+    out = dict(seq_mean=rows.mean().item(), seq_std=rows.std().item() if rows.numel() > 1 else 0.0,
+               seq_max=rows.max().item(), seq_min=rows.min().item(),
+               seq_max_deviation=(rows - reference).abs().max().item(),
+               seq_fraction_high=(rows > upper).double().mean().item())
+    if with_low:
+        out["seq_fraction_low"] = (rows < lower).double().mean().item() if lower is not None else 0.0
+    return out
+
+
+def _masked_std(values: torch.Tensor, valid: torch.Tensor, n: float) -> float:
+    """Population std over the valid entries (0 with fewer than two)."""
+    if n <= 1:
+        return 0.0
+    mean = (values * valid).sum() / n
+    var = (values.square() * valid).sum() / n - mean.square()
+    return var.clamp_min(0.0).sqrt().item()
+
+
+def weight_distribution_metrics(weights: torch.Tensor, log_ratio: torch.Tensor, response_mask: torch.Tensor, *,
+                                upper: float, lower: Optional[float] = None,
+                                sequence_log_ratio: Optional[torch.Tensor] = None,
+                                with_mean_and_ess: bool = False) -> dict[str, float]:
+    """How the IS weights are spread, under ``rollout_correction/is_*`` (docs/metrics.md).
+
+    ``weights``: the applied ``(B, T)`` weights; ``log_ratio``: the sanitised token log-ratios they came from (the
+    raw, unbounded ratio is ``exp(log_ratio)``); ``upper``/``lower``: the IS mode's bounds (``lower`` defaults to
+    ``1/upper`` for the shares below). ``sequence_log_ratio`` ``(B,)`` for a sequence mode: the raw ratio of a row is
+    then ρ_seq = exp(that), and the bounds are judged per row. Token means run over valid tokens, row statistics
+    over rows with a valid token. ``with_mean_and_ess``: also ``is_weight_mean`` and ``ess`` of these weights (the
+    one-pass set's definitions), for weights that did not come from ``compute_correction``.
+    """
+    dtype = torch.float64
+    valid = (response_mask != 0).to(dtype)
+    n = valid.sum().item()
+    w = weights.detach().to(dtype) * valid
+    lo = 1.0 / upper if lower is None else lower
+    rows_valid = valid.sum(dim=-1) > 0
+    out: dict[str, float] = {}
+    if with_mean_and_ess:
+        total, squares = w.sum().item(), w.square().sum().item()
+        out["is_weight_mean"] = total / n if n else 1.0
+        out["ess"] = total ** 2 / (n * squares) if squares > 0 else (1.0 if n == 0 else 0.0)
+    if sequence_log_ratio is not None:
+        seq_lr = sequence_log_ratio.detach().to(dtype)
+        raw = seq_lr.exp().unsqueeze(-1) * valid
+    else:
+        seq_lr = None
+        raw = log_ratio.detach().to(dtype).exp() * valid
+    if n > 0:
+        vb = valid.bool()
+        out["is_weight_max"] = w.masked_fill(~vb, -math.inf).max().item()
+        out["is_weight_min"] = w.masked_fill(~vb, math.inf).min().item()
+    else:
+        out["is_weight_max"] = out["is_weight_min"] = 0.0
+    out["is_weight_std"] = _masked_std(w, valid, n)
+    if seq_lr is not None:
+        live = seq_lr[rows_valid]
+        out["is_ratio_fraction_high"] = (live > math.log(upper)).double().mean().item() if live.numel() else 0.0
+        out["is_ratio_fraction_low"] = (live < math.log(lo)).double().mean().item() if live.numel() else 0.0
+        out["is_seq_ratio_max"] = live.max().exp().item() if live.numel() else 1.0
+        out["is_seq_ratio_min"] = live.min().exp().item() if live.numel() else 1.0
+    else:
+        out["is_ratio_fraction_high"] = ((raw > upper).to(dtype) * valid).sum().item() / n if n else 0.0
+        out["is_ratio_fraction_low"] = ((raw < lo).to(dtype) * valid).sum().item() / n if n else 0.0
+    per_row = valid.sum(dim=-1).clamp_min(1.0)
+    seq_w = (w.sum(dim=-1) / per_row)[rows_valid]
+    seq_raw = (raw.sum(dim=-1) / per_row)[rows_valid]
+    weights_rows = _row_values_summary(seq_w, upper, lo, reference=1.0)
+    raw_rows = _row_values_summary(seq_raw, upper, lo, reference=1.0)
+    for key in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation"):
+        out[f"is_{key}"] = weights_rows[key]
+    out["is_seq_fraction_high"] = raw_rows["seq_fraction_high"]
+    out["is_seq_fraction_low"] = raw_rows["seq_fraction_low"]
+    return {PREFIX + k: float(v) for k, v in out.items()}
+
+
+def rejection_rule_metrics(rules: Sequence[Any], log_ratio: torch.Tensor,
+                           response_mask: torch.Tensor) -> dict[str, float]:
+    """Each rejection rule's statistic and what the rule alone removed, under ``rollout_correction/rejection/<option>/*``.
+
+    Per rule (a ``RejectionRule`` of ``CorrectionConfig.rejection_rules``), on the sanitised token log-ratios: the
+    statistic S (per token K1 = −lr, K2, K3; per sequence their sum, mean or max), with its bounds ``hi``
+    (``log hi`` for K1) and, for K1 only, ``log lo``:
+
+    * ``mean``: the token mean of S (a sequence rule's S counted once per valid token of its row);
+    * ``max``/``min``: over valid tokens (token rules) or valid rows (sequence rules);
+    * ``fraction_high``/``fraction_low``: the share above ``hi`` / below ``log lo`` (0 for K2/K3), over the same;
+    * ``std``: the token std of S clamped to its bounds ([0, hi] for K2/K3);
+    * ``seq_*``: over valid rows of S (a token rule's row value is its row mean): mean, std (unbiased),
+      max, min, max |S|, the shares above ``hi`` and (K1) below ``log lo``;
+    * ``masked_fraction`` / ``seq_masked_fraction``: the share of valid tokens / valid rows this rule rejects.
+    """
+    from .ratios import TokenStats  # the same estimators the correction used (imported here: no cycle)
+    from .correction import rejection_keep
+
+    dtype = torch.float64
+    valid_f = (response_mask != 0).to(log_ratio.dtype)
+    stats = TokenStats(log_ratio.detach(), valid_f, torch.zeros_like(valid_f))
+    valid = valid_f.to(dtype)
+    vb = valid.bool()
+    n = valid.sum().item()
+    rows_valid = valid.sum(dim=-1) > 0
+    n_rows = int(rows_valid.sum().item())
+    per_row = valid.sum(dim=-1).clamp_min(1.0)
+    out: dict[str, float] = {}
+    for rule in rules:
+        k1 = rule.estimator == "k1"
+        hi = math.log(rule.upper) if k1 else rule.upper
+        lo = math.log(rule.lower) if k1 else 0.0
+        token_stat = stats.estimator(rule.estimator).to(dtype) * valid
+        if rule.level == "token":
+            per_token = token_stat
+            rows = (token_stat.sum(dim=-1) / per_row)[rows_valid]
+            over, over_n = per_token.masked_select(vb), n
+        else:
+            if rule.level == "seq_sum":
+                seq = token_stat.sum(dim=-1)
+            elif rule.level == "seq_mean":
+                seq = token_stat.sum(dim=-1) / per_row
+            else:
+                seq = token_stat.masked_fill(~vb, -math.inf).amax(dim=-1)
+                seq = torch.where(rows_valid, seq, torch.zeros_like(seq))
+            per_token = seq.unsqueeze(-1) * valid
+            rows = seq[rows_valid]
+            over, over_n = rows, n_rows
+        name = f"rejection/{rule.option}/"
+        m = {"mean": per_token.sum().item() / n if n else 0.0}
+        if over.numel():
+            m.update(max=over.max().item(), min=over.min().item(),
+                     fraction_high=(over > hi).double().sum().item() / over_n,
+                     fraction_low=(over < lo).double().sum().item() / over_n if k1 else 0.0)
+        else:
+            m.update(max=0.0, min=0.0, fraction_high=0.0, fraction_low=0.0)
+        m["std"] = _masked_std(per_token.clamp(min=lo, max=hi), valid, n)
+        m.update(_row_values_summary(rows, hi, lo, reference=0.0, with_low=k1))
+        seq_keep, token_keep = rejection_keep((rule,), stats)
+        keep = valid * seq_keep.to(dtype).unsqueeze(-1)
+        if token_keep is not None:
+            keep = keep * token_keep.to(dtype)
+        removed = valid - keep
+        m["masked_fraction"] = removed.sum().item() / n if n else 0.0
+        m["seq_masked_fraction"] = ((removed.sum(dim=-1) > 0)[rows_valid]).double().sum().item() / n_rows \
+            if n_rows else 0.0
+        out.update({PREFIX + name + k: float(v) for k, v in m.items()})
+    return out
+
+
+def perplexity_metrics(logprobs: torch.Tensor, response_mask: torch.Tensor, name: str = "training") -> dict[str, float]:
+    """``<name>_ppl`` and ``<name>_log_ppl`` of one policy alone (no second logprob needed): the row means of
+    −log π over each row's finite valid tokens, then ``mean_i`` of them and of their ``exp``, in float64, over rows
+    with such a token (the definitions of the one-pass set, docs/metrics.md)."""
+    dtype = torch.float64
+    lp = logprobs.detach().to(dtype)
+    use = (response_mask != 0).to(dtype) * torch.isfinite(lp).to(dtype)
+    counts = use.sum(dim=-1)
+    rows = counts > 0
+    neg_mean = -(torch.where(use > 0, lp, torch.zeros_like(lp)).sum(dim=-1) / counts.clamp_min(1.0))[rows]
+    if neg_mean.numel() == 0:
+        return {PREFIX + f"{name}_ppl": 1.0, PREFIX + f"{name}_log_ppl": 0.0}
+    return {PREFIX + f"{name}_ppl": neg_mean.exp().mean().item(), PREFIX + f"{name}_log_ppl": neg_mean.mean().item()}

@@ -14,6 +14,8 @@ The rooms, in the order a run meets them:
 * ``config``  translate: the ``rollout_parity`` block validated, refused by name, or written into
   verl's config (the vLLM parity recipe, the transport) by :func:`configure_verl`;
 * ``driver``  hand over: the correction once per batch in verl's rollout-correction helper;
+* ``verl_keys`` verl's own correction keys and helper entry points answered by the core, and every metric
+  verl's own correction logs, under verl's names;
 * ``loss``    hand over: verl's own loss wrapped, and the metrics only it can see;
 * ``actor``   the fp32 head and the sampler-aware pi_old pass in verl's FSDP engine;
 * ``sync``    verl's weight sync: fused-MoE layers completed in vLLM, the optional sync check;

@@ -26,6 +26,7 @@ REQUIRED_VERL_NAMES = (
     "verl.utils.device.auto_set_device",
     "verl.utils.config.validate_config",
     "verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_add_to_batch",
+    "verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_rejection_mask",
     "verl.trainer.ppo.core_algos.get_policy_loss_fn",
     "verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY",
     "verl.workers.utils.losses.ppo_loss",

@@ -73,9 +73,22 @@ def check_no_double_correction(config: Any, cfg: CorrectionConfig) -> None:
             raise ValueError(f"algorithm.rollout_correction.bypass_mode=true contradicts {CONFIG_KEY}.old_logprob_source="
                              f"{cfg.old_logprob_source!r}; set {CONFIG_KEY}.old_logprob_source=bypass instead")
     if select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla") == "bypass_mode":
-        raise ValueError(
-            "double correction: actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode is verl's own "
-            f"rollout-correction loss; with {CONFIG_KEY} keep your loss_mode and use old_logprob_source=bypass")
+        # verl's bypass loss (loss_type ppo_clip or reinforce) with our correction inside it (verl_keys.py)
+        if cfg.old_logprob_source != "bypass":
+            raise ValueError(
+                "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode is verl's bypass loss (pi_old := "
+                f"pi_rollout): set {CONFIG_KEY}.old_logprob_source=bypass with it, or keep your loss_mode")
+        loss_type = select(config, "actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type", None) \
+            or select(config, "algorithm.rollout_correction.loss_type", "ppo_clip")
+        if loss_type not in ("ppo_clip", "reinforce"):
+            raise ValueError(f"policy_loss.rollout_correction.loss_type={loss_type!r}: verl's bypass loss has "
+                             "'ppo_clip' and 'reinforce'")
+        rs = select(config, "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs", None)
+        if rs is not None:
+            raise ValueError(
+                f"actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs={rs!r} with {CONFIG_KEY}: "
+                f"rejection is the flags' ({CONFIG_KEY}.rollout_rejection, applied on the driver before the "
+                "advantages); set it to null")
 
 
 def sampler_from_verl(config: Any) -> SamplerSettings:

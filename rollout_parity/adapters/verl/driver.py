@@ -19,7 +19,7 @@ import torch
 from rollout_parity.adapters.verl.config import check_no_double_correction
 from rollout_parity.adapters.verl.flags import MODULE, active_config, active_sampler, require_config
 from rollout_parity.core.correction import compute_correction
-from rollout_parity.core.metric_names import verl_names
+from rollout_parity.adapters.verl.verl_keys import batch_normalized, verl_metrics
 from rollout_parity.core.sampler import kept_mass_metrics, rollout_on_full_vocabulary
 
 __all__ = ["PROCESSED_FIELD", "OUTSIDE_FIELD", "driver_correction", "rollout_correction_helper", "batch_in_flight"]
@@ -49,6 +49,13 @@ def rollout_correction_helper(original: Callable, batch: Any, rollout_corr_confi
     if active_config() is None:
         return original(batch, rollout_corr_config)
     return driver_correction(batch, rollout_corr_config)
+
+
+def _select(config: Any, key: str, default: Any) -> Any:
+    if config is None:
+        return default
+    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return default if value is None else value
 
 
 def _processed_old_log_probs(batch: Any, like: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -104,8 +111,10 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
     ``response_mask``. Writes the corrected ``response_mask``, ``rollout_is_weights`` when an IS
     mode is set, keeps what rejection removed out of the GRPO/RLOO baselines, and under bypass
     sets ``old_log_probs := pi_rollout`` (on the trainer's full-vocabulary support when the sampler
-    truncates). Returns ``(batch, metrics)``: ours, under verl's ``rollout_corr/*`` names where verl
-    computes the same formula (``core/metric_names.py``).
+    truncates). verl's own ``rollout_is_batch_normalize`` in ``rollout_corr_config`` divides the weights by
+    their batch mean (``verl_keys.batch_normalized``). Returns ``(batch, metrics)``: every quantity verl's own
+    correction logs under verl's ``rollout_corr/*`` name with verl's value (``core/metric_names.py``,
+    ``verl_keys.verl_metrics``), the rest under ours.
     """
     cfg = require_config("driver_correction")
     if rollout_corr_config is not None:
@@ -126,16 +135,21 @@ def driver_correction(batch: Any, rollout_corr_config: Any = None) -> tuple[Any,
             out = compute_correction(driver_cfg, old_logprobs=trainer_old, rollout_logprobs=rollout,
                                      response_mask=response_mask, with_metrics=cfg.wants_metrics)
     tensors["response_mask"] = out.mask
+    extra: dict[str, float] = {}
     if cfg.rollout_importance_sampling_mode is not None:
-        tensors["rollout_is_weights"] = out.weights.to(torch.float32)
+        weights = out.weights
+        if _select(rollout_corr_config, "rollout_is_batch_normalize", False):  # verl's own key, self-normalised IS
+            weights, extra = batch_normalized(cfg, weights, response_mask)
+        tensors["rollout_is_weights"] = weights.to(torch.float32)
     if cfg.rollout_rejection is not None:
         _keep_rejected_out_of_baselines(batch, response_mask, out.mask)
     if cfg.old_logprob_source == "bypass":
         behaviour = rollout if sampler is None else rollout_on_full_vocabulary(rollout, old, trainer_old)
         _write_old_log_probs(batch, behaviour)
-    # verl's own rollout_corr/* names where verl computes the same formula (docs/metrics.md)
-    driver_metrics = {k: v for k, v in out.metrics.items() if k.split("/", 1)[-1] not in _METRICS_NEED_POLICY}
-    metrics = verl_names(driver_metrics, cfg)
+    # verl's own rollout_corr/* names and values where verl computes the same formula, and rollout_corr/kl
+    # (docs/metrics.md); what needs pi_theta or the advantages comes from the loss wrapper
+    out.metrics = {k: v for k, v in out.metrics.items() if k.split("/", 1)[-1] not in _METRICS_NEED_POLICY}
+    metrics = verl_metrics(cfg, out, response_mask, extra)
     if sampler is not None:
         # log S = full - processed per token (over the kept set with the sampled token added, where the
         # actor's recomputed kept set missed it: ``outside``)

@@ -217,6 +217,10 @@ def policy_loss_fn(original: Callable, name: str) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def _wrapped_loss(loss_fn: Callable, name: str) -> Callable:
+    if name == "bypass_mode":  # verl's bypass loss: its correction inside is the core's (verl_keys.py)
+        from rollout_parity.adapters.verl.verl_keys import inside_bypass_loss
+
+        loss_fn = inside_bypass_loss(loss_fn)
     return with_rollout_parity(loss_fn, name)
 
 

@@ -19,6 +19,7 @@ from rollout_parity.adapters.verl.driver import batch_in_flight, rollout_correct
 from rollout_parity.adapters.verl.loss import policy_loss_fn, ppo_loss_with_global_metrics
 from rollout_parity.adapters.verl.rollout import engine_kwargs_without_hf_overrides, quantization_with_hf_overrides
 from rollout_parity.adapters.verl.sync import checked_update_weights, moe_after_ipc_update
+from rollout_parity.adapters.verl.verl_keys import bypass_loss_correction
 
 __all__ = ["PATCH_POINTS", "patcher", "ConfigRefusal"]
 
@@ -68,6 +69,9 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch",
                rollout_correction_helper, callers=("verl.trainer.ppo.v1.trainer_base", "verl.trainer.main_ppo_sync"),
                eager=True),
+    # verl's bypass_mode loss looks this up in the module at call time (verl_keys.py): the flags' weights there
+    PatchPoint("verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_rejection_mask",
+               bypass_loss_correction, eager=True),
     PatchPoint("verl.trainer.ppo.core_algos", "get_policy_loss_fn", policy_loss_fn,
                callers=("verl.workers.utils.losses", "verl.trainer.distillation.losses"), eager=True),
     PatchPoint("verl.workers.utils.losses", "ppo_loss", ppo_loss_with_global_metrics,
