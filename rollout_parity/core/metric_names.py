@@ -192,7 +192,7 @@ METRICS: tuple[Metric, ...] = (
     Metric(_c("clipped_frac"), "share of valid tokens whose weight the IS mode truncated or zeroed",
            verl=(("rollout_corr/rollout_is_ratio_fraction_high", TIS), ("rollout_corr/rollout_is_oob_ratio", ICEPOP),
                  ("rollout_corr/rollout_is_oob_ratio", VERL_SEQ_ICEPOP)),
-           note="NeMo RL's `is_oob_ratio` is this formula for its own truncation, which is off while ours acts"),
+           note="the NeMo RL adapter logs `is_oob_ratio` from our bounds while ours acts (NeMo RL's own formula)"),
     # ------------------------------------------------ what the correction removed
     Metric(_c("rejected_token_frac"), "share of valid tokens `rollout_rejection` removed",
            verl=_v("rollout_rs_masked_fraction", REJECTION_ON)),
@@ -290,8 +290,9 @@ METRICS: tuple[Metric, ...] = (
     Metric(_c("loss_nonfinite_frac"), "share of a micro-batch's valid tokens whose π_old or π_θ was NaN or ±inf "
            "as verl's loss read it (neutralised or taken out of the loss)", source="verl"),
     Metric("sampling/importance_sampling_ratio/{min,mean,max}", "TRL's names; while our weights act in TRL's "
-           "loss: min / mean / max of those weights over the loss's tokens (per sequence for the sequence "
-           "modes), global over ranks", trl=(("sampling/importance_sampling_ratio/{min,mean,max}", ALWAYS),),
+           "loss: min / mean / max of those weights over the loss's tokens (for the sequence modes per "
+           "completion, one without loss tokens at a ratio of 1, 0 when nothing is in the loss, as TRL counts), "
+           "global over ranks", trl=(("sampling/importance_sampling_ratio/{min,mean,max}", ALWAYS),),
            note="TRL's mean is a mean of per-rank means", source="trl"),
     # ------------------------------------------------ the weight-sync check
     Metric("weight_sync/probe_delta_abs_mean", "mean abs(Δ logprob) between engine and trainer on the sync probe",
