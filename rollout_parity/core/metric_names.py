@@ -226,7 +226,8 @@ METRICS: tuple[Metric, ...] = (
     Metric(_c("is_weight_std"), "the token std of w (population)", verl=_v("rollout_is_std", VERL_IS),
            source="distribution"),
     Metric(_c("is_ratio_fraction_high"), "share of valid tokens whose raw r exceeds the IS threshold C (sequence "
-           "modes: share of sequences with ρ_i > C); under token TIS the same value as `clipped_frac`", verl=_v("rollout_is_ratio_fraction_high", VERL_IS),
+           "modes: share of sequences with ρ_i > C); under token TIS the same value as `clipped_frac`",
+           verl=_v("rollout_is_ratio_fraction_high", VERL_IS),
            source="distribution"),
     Metric(_c("is_ratio_fraction_low"), "the same below the lower bound (1/C without one)",
            verl=_v("rollout_is_ratio_fraction_low", VERL_IS), source="distribution"),
@@ -246,15 +247,18 @@ METRICS: tuple[Metric, ...] = (
            "by (token mean, or mean over sequences for the sequence modes); the other `is_*` describe the weights "
            "before it", verl=_v("rollout_is_batch_norm_factor", IS_ON), source="verl"),
     # ------------------------------------------------ each rejection rule (``metrics.rejection_rule_metrics``)
-    Metric(_c("rejection/{option}/mean"), "the token mean of the rule's statistic S (per token K1 = −log r, K2, K3; a sequence rule's S counted once per valid token of its sequence)",
+    Metric(_c("rejection/{option}/mean"), "the token mean of the rule's statistic S (per token K1 = −log r, K2, K3; "
+           "a sequence rule's S counted once per valid token of its sequence)",
            verl=(("rollout_corr/rollout_rs_{option}_mean", REJECTION_ON),), source="rejection"),
     Metric(_c("rejection/{option}/max"), "max of S over valid tokens (token rules) or sequences (sequence rules)",
            verl=(("rollout_corr/rollout_rs_{option}_max", REJECTION_ON),), source="rejection"),
     Metric(_c("rejection/{option}/min"), "min of S, the same way",
            verl=(("rollout_corr/rollout_rs_{option}_min", REJECTION_ON),), source="rejection"),
-    Metric(_c("rejection/{option}/std"), "the token std of S clamped to its bounds ([log lo, log hi] for K1, [0, hi] otherwise)",
+    Metric(_c("rejection/{option}/std"), "the token std of S clamped to its bounds ([log lo, log hi] for K1, "
+           "[0, hi] otherwise)",
            verl=(("rollout_corr/rollout_rs_{option}_std", REJECTION_ON),), source="rejection"),
-    Metric(_c("rejection/{option}/fraction_high"), "share (tokens or sequences, as `max`) with S above its bound (log hi for K1)",
+    Metric(_c("rejection/{option}/fraction_high"), "share (tokens or sequences, as `max`) with S above its bound "
+           "(log hi for K1)",
            verl=(("rollout_corr/rollout_rs_{option}_fraction_high", REJECTION_ON),), source="rejection"),
     Metric(_c("rejection/{option}/fraction_low"), "K1: the same below log lo; 0 otherwise",
            verl=(("rollout_corr/rollout_rs_{option}_fraction_low", REJECTION_ON),), source="rejection"),
