@@ -169,3 +169,15 @@ def test_trl_own_grpo_script_unmodified_with_one_flag(tmp_path):
     assert args.correction_config() == CorrectionConfig(rollout_importance_sampling_mode="token_truncate",
                                                         rollout_importance_sampling_threshold=1.5, fp32_lm_head=True)
     assert args.cast_lm_head_to_fp32 is True  # fp32_lm_head turned TRL's own cast on
+
+
+def test_trls_script_as_pip_installs_it_takes_the_flags_in_its_help(capsys):
+    """``rollout-parity launch ... -m trl.scripts.grpo --help`` (the README's form, no TRL checkout needed): TRL's own
+    parser, bound to the launcher's config, lists the shared flags; the help is no run, so no "no flag acted"."""
+    with pytest.raises(SystemExit) as info:  # TRL's parser exits after printing its help
+        code = launch(["--rollout_importance_sampling_mode", "token_truncate", "-m", "trl.scripts.grpo", "--help"])
+        raise SystemExit(code)
+    assert info.value.code == 0
+    captured = capsys.readouterr()
+    assert "--rollout_importance_sampling_mode" in captured.out and "--model_name_or_path" in captured.out
+    assert "no flag acted" not in captured.err
