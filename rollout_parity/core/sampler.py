@@ -655,8 +655,9 @@ def _kernel_chunk(kernels, z: torch.Tensor, temperature: float, y: torch.Tensor,
         alone = torch.zeros_like(todo) if stage is None else stage[1]
         settled = alone
         cover = _candidate_cover(top_k, top_p, min_p, CAP)
-        cand = torch.full((rows, CAP), float("-inf"), dtype=torch.float32, device=dev)
-        count = torch.empty(rows, dtype=torch.int32, device=dev)
+        # the candidates' buffers only where a cover can close (a (rows, CAP) fill is a pass of its own)
+        cand = None if cover is None else torch.full((rows, CAP), float("-inf"), dtype=torch.float32, device=dev)
+        count = None if cover is None else torch.empty(rows, dtype=torch.int32, device=dev)
         if cover is not None and launch("kept_candidates+" + "+".join(cover), dev, candidates, z, temperature,
                                         rowmax, logsum, todo & ~alone, cand, count, **cover):
             log_s, smallest, on_cand = _on_candidates(cand.sort(dim=-1, descending=True).values, top_k, top_p, min_p,
