@@ -57,6 +57,7 @@ LATER_DEFAULTS = {
     "moe_routing_replay": False,
     "rollout_sampling_replay": False,
     "compile_correction": False,
+    "precision": None,
 }
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
+from .precision import normalize_precision
+
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SEQUENCE_REDUCTIONS = ("geometric_mean", "product")
 SEQUENCE_MASK_WEIGHTS = ("token", "sequence")
@@ -290,6 +292,9 @@ class CorrectionConfig:
     log_rollout_offpolicy_metrics: bool = field(
         default=False, metadata={"help": "log the diagnostics without changing the loss"})
     fp32_lm_head: bool = field(default=False, metadata={"help": "final projection in fp32 on trainer and vLLM"})
+    precision: Optional[str] = field(
+        default=None, metadata={"help": "null (each side as the framework sets it) | bf16 | fp16 | fp32: the compute "
+                                        "dtype of the rollout engine and the trainer, written to both together"})
     weight_sync_check_interval: Optional[int] = field(
         default=None, metadata={"help": "check every N-th weight sync (the first included) by scoring a fixed probe "
                                          "on the engine and the trainer; null or 0: off"})
@@ -383,6 +388,10 @@ class CorrectionConfig:
         if not sync_threshold > 0:
             raise _flag_error("weight_sync_check_threshold", f"must be > 0, got {sync_threshold}")
         object.__setattr__(self, "weight_sync_check_threshold", sync_threshold)
+        try:
+            object.__setattr__(self, "precision", normalize_precision(self.precision))
+        except ValueError as exc:
+            raise _flag_error("precision", str(exc).split(": ", 1)[1]) from None
         for flag in ("log_rollout_offpolicy_metrics", "fp32_lm_head", "moe_routing_replay", "rollout_sampling_replay",
                      "compile_correction"):
             if not isinstance(getattr(self, flag), bool):

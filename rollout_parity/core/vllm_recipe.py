@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .config import configs_dir
+from .precision import engine_dtype
 from .engine_head import asks_fp32_head, fp32_head_plugin_problem, head_reports, head_reports_async, summarize_head
 from .vllm_features import VLLM_FEATURES, VllmKnobMissingError, installed_vllm_version, \
     parse_vllm_version, require_vllm_feature, vllm_has
@@ -110,6 +111,7 @@ def vllm_parity_kwargs(
     vllm_version: str | None = None,
     sampling_replay: bool = False,
     routed_experts: bool = False,
+    precision: str | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Engine kwargs for ``vllm.LLM(...)`` / ``AsyncEngineArgs(...)`` that hold the recipe.
@@ -122,6 +124,10 @@ def vllm_parity_kwargs(
     vLLM 0.31 returns routes only from Model Runner V2 *and with prefix caching on* (``vllm/config/vllm.py``,
     ``_verify_aux_output_compatibility``: "AuxOutput Connector requires prefix caching"), so it needs
     ``prefix_cache_policy`` ``reset`` or ``salt``; ``off`` raises, naming them.
+
+    ``precision`` (the ``precision`` flag: ``bf16`` / ``fp16`` / ``fp32``) sets the engine's ``dtype``
+    (``bfloat16`` / ``float16`` / ``float32``), the one the trainer computes in; None leaves vLLM's
+    ``auto`` (the checkpoint's dtype).
 
     ``prefix_cache_policy`` other than ``off`` keeps prefix caching on (the weight-update
     helper then resets or salts it). ``overrides`` are extra engine kwargs (e.g.
@@ -165,6 +171,8 @@ def vllm_parity_kwargs(
         hf_overrides["head_dtype"] = "float32"
     if hf_overrides:
         kwargs["hf_overrides"] = hf_overrides
+    if precision is not None:
+        kwargs["dtype"] = engine_dtype(precision)
     if sampling_replay:
         require_vllm_feature("return_sampling_mask", version, option="rollout_sampling_replay")
         kwargs["return_sampling_mask"] = True
@@ -183,6 +191,7 @@ def vllm_parity_kwargs(
                 "enable_prefix_caching": "use prefix_cache_policy='reset' or 'salt' to keep it on safely",
                 "logprobs_mode": "the recipe needs processed_logprobs",
                 "async_scheduling": "the recipe needs synchronous scheduling",
+                "dtype": "the precision flag sets the engine's and the trainer's dtype together",
             }.get(key, "")
             raise ValueError(
                 f"override {key}={value!r} contradicts the parity recipe ({key}={kwargs[key]!r})"
@@ -198,6 +207,7 @@ def vllm_serve_flags(
     *,
     style: str = "vllm",
     vllm_version: str | None = None,
+    precision: str | None = None,
 ) -> list[str]:
     """The recipe as command-line flags.
 
@@ -209,7 +219,7 @@ def vllm_serve_flags(
     """
     if style not in ("vllm", "trl"):
         raise ValueError(f"style must be 'vllm' or 'trl', got {style!r}")
-    kw = vllm_parity_kwargs(fp32_lm_head, prefix_cache_policy, vllm_version=vllm_version)
+    kw = vllm_parity_kwargs(fp32_lm_head, prefix_cache_policy, vllm_version=vllm_version, precision=precision)
     flags: list[str] = []
     if style == "vllm":
         flags += ["--logprobs-mode", kw["logprobs_mode"]]
@@ -220,6 +230,8 @@ def vllm_serve_flags(
         flags.append("--async-scheduling" if kw["async_scheduling"] else "--no-async-scheduling")
     if "hf_overrides" in kw:
         flags += ["--hf-overrides", json.dumps(kw["hf_overrides"], sort_keys=True)]
+    if "dtype" in kw:
+        flags += ["--dtype", kw["dtype"]]
     return flags
 
 
