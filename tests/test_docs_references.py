@@ -335,3 +335,50 @@ def test_nothing_cites_the_design_contract_that_is_not_in_the_repository():
 def test_the_path_checker_catches_a_missing_file(bad, caught):
     found = [m.group(1) for m in PATH.finditer(bad)]
     assert found == [caught] and not _exists(caught)
+
+
+#: Another project's tracker or pull-request number (``verl#6240``, ``verl #4036``, ``EasyR1 #583``) may be cited.
+_FOREIGN_NUMBER = re.compile(r"(verl|vLLM|vllm|trl|TRL|RL|EasyR1|PR|sglang|SGLang|transformers|accelerate)\s*$")
+
+
+def _internal_references(text: str) -> list[str]:
+    """Our own issue numbers (``issue 31``, a bare ``#31``) and this machine's paths (``/work/...``) in a text."""
+    found = [m.group(0) for m in re.finditer(r"\b[Ii]ssues? \d+", text)]
+    found += [m.group(0) for m in re.finditer(r"(?<![\w&])#\d+\b", text)
+              if not _FOREIGN_NUMBER.search(text[max(0, m.start() - 14):m.start()])]
+    return found + re.findall(r"(?<![\w.])/work/\S*", text)
+
+
+def test_user_pages_name_no_issue_numbers_or_machine_paths():
+    """A reader has neither our tracker nor our machines: a number or a path of ours tells them nothing."""
+    hits = [f"{rel(page)}:{n}: {ref}" for page in pages()
+            for n, line in enumerate(page.read_text().splitlines(), 1) for ref in _internal_references(line)]
+    assert not hits, "internal references in user pages:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("text, found", [
+    ("as issue 31 measured", ["issue 31"]), ("see #12 for why", ["#12"]), ("in /work/main/x", ["/work/main/x"]),
+    ("verl#6240 and verl #4036, EasyR1 #583", []), ("&#8212;", [])])
+def test_the_internal_reference_checker_catches_ours_and_keeps_theirs(text, found):
+    assert _internal_references(text) == found
+
+
+def _our_tests() -> dict[str, set[str]]:
+    """``{file name: its test functions}`` of this repository's test files."""
+    out: dict[str, set[str]] = {}
+    for folder in ("tests", "integration_tests"):
+        for path in (ROOT / folder).rglob("test_*.py"):
+            out[path.name] = set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), flags=re.M))
+    return out
+
+
+def test_every_test_a_page_names_exists():
+    """``test_x.py::test_y`` in a page is ours: the file and the function exist (a renamed test is no citation)."""
+    tests = _our_tests()
+    missing = []
+    for page in pages():
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for file, func in re.findall(r"(test_\w+\.py)::(test_\w+)", line):
+                if file in tests and func not in tests[file] or file not in tests:
+                    missing.append(f"{rel(page)}:{n}: {file}::{func}")
+    assert not missing, "tests named in the docs that do not exist:\n" + "\n".join(missing)
