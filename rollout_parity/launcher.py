@@ -22,7 +22,21 @@ trainer was built through it (use the import swap or ``apply`` there).
 
 A script that imports ``nemo_rl`` (NeMo RL's ``examples/run_grpo*.py``) runs with the NeMo RL
 hook on instead (``rollout_parity.adapters.nemo_rl.turn_on``): the flags come from its recipe's
-``loss_fn.rollout_correction``, so none are taken here.
+``loss_fn.rollout_correction``, so none are taken here. verl takes the shared flags as Hydra overrides
+(``+rollout_parity.<flag>=...``): the launcher's flags with a verl target are refused, naming the overrides.
+
+``--dry-run`` shows what the adapter would do, and runs nothing (``rollout_parity/dry_run.py``)::
+
+    rollout-parity launch --dry-run -m verl.trainer.main_ppo <hydra overrides...>
+    rollout-parity launch --dry-run [shared flags] -m trl.scripts.grpo <TRL args...>   (or script.py [args...])
+
+verl: verl's config composed as ``main_ppo`` composes it, put through the adapter's driver hook; printed:
+the shared flags it read, each config key it changed (``before -> after``), the vLLM engine kwargs of the
+rollout; a refusal is exit 2. Ray is imported with verl but never started. TRL: the script runs until its
+``GRPOConfig`` is built (TRL's ``grpo.py``: its ``TrlParser`` parse returns, before ``load_dataset``), or its
+trainer is being built; printed: the flags the trainer would use, the ``GRPOConfig`` fields that matter to
+parity, the engine kwargs of the colocated vLLM (or the ``trl vllm-serve`` line). No model, dataset or engine
+loads; a script that never builds a config exits 1.
 """
 
 from __future__ import annotations
@@ -50,11 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "trl.GRPOConfig / trl.GRPOTrainer become ParityGRPOConfig / ParityGRPOTrainer. A NeMo RL "
                     "script (one importing nemo_rl) runs with the NeMo RL hook on and takes the flags from its "
                     "recipe's loss_fn.rollout_correction instead. Options are snake_case (the kebab-case "
-                    "spelling is an alias), switches take an optional true/false, and nothing is abbreviated.",
+                    "spelling is an alias), switches take an optional true/false, and nothing is abbreviated. "
+                    "--dry-run shows what the adapter would do without running anything: for "
+                    "-m verl.trainer.main_ppo <hydra overrides> (flags as +rollout_parity.<flag>=... overrides) "
+                    "the shared flags read, verl config keys changed and vLLM engine kwargs (Ray never "
+                    "started); for a TRL script, the flags, the GRPOConfig fields that matter and the vLLM "
+                    "engine kwargs, stopping once the script's config is built (before any model or dataset).",
         epilog="Example: rollout-parity launch --rollout_importance_sampling_mode token_truncate "
                "trl/scripts/grpo.py --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/DeepMath-103K "
                "--use_vllm",
     )
+    add_switch(parser, "dry_run", default=False,
+               help="print what rollout-parity would do to this command line (flags, config changes, vLLM engine "
+                    "kwargs) and exit without training: verl's main_ppo config is composed, a TRL script stops "
+                    "once its config is built; exit 2 on a refusal")
     parser.add_argument("--preset", default=None,
                         help=f"start from a correction preset ({', '.join(CorrectionConfig.available_presets())}); "
                              "the flags given override it")
@@ -198,6 +221,15 @@ def main(argv: Sequence[str]) -> int:
     if not args.module and not os.path.isfile(args.target[0]):  # named before anything loads
         print(_no_script(args.raw_argv, args.target[0], build_parser()), file=sys.stderr)
         return 2
+    from rollout_parity.dry_run import dry_run, targets_verl, verl_flag_refusal
+
+    if targets_verl(script=None if args.module else args.target[0], module=args.module[0] if args.module else None):
+        refusal = verl_flag_refusal(args, f"-m {args.module[0]}" if args.module else args.target[0])
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 2
+    if args.dry_run:
+        return dry_run(args, cfg)
     from rollout_parity.adapters.nemo_rl.turn_on import launch as launch_nemo_rl, targets_nemo_rl
 
     if targets_nemo_rl(script=None if args.module else args.target[0], module=args.module[0] if args.module else None):
