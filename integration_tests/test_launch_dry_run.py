@@ -12,7 +12,6 @@ exits 1; a mistyped shared flag exits 2.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from rollout_parity.core.config import CorrectionConfig
+from integration_tests.support.dry_run_report import json_items as _json_items, sections as _sections
 from rollout_parity.launcher import main as launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,23 +46,6 @@ def _cli(*argv: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProce
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "rollout_parity.cli", "launch", *argv], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=timeout)
-
-
-def _sections(text: str) -> dict[str, dict[str, str]]:
-    """The report's sections: each header line (its words before ' (' or ':') -> {key: value text}."""
-    out: dict[str, dict[str, str]] = {}
-    current = None
-    for line in text.splitlines():
-        if not line.startswith("  "):
-            current = out.setdefault(re.split(r" \(|:", line, maxsplit=1)[0], {})
-        elif current is not None:
-            key, _, value = line.strip().partition(": ")
-            current[key] = value
-    return out
-
-
-def _json_items(section: dict[str, str]) -> dict:
-    return {k: json.loads(v.split("  (", 1)[0]) for k, v in section.items() if k != "sampler-aware pi_old"}
 
 
 def _compose(overrides: list[str]):
