@@ -6,9 +6,9 @@
                           [--num_prompts N] [--samples N] [--max_tokens N] [--steps N] [--sentences N]
                           [--temperature T] [--top_k K] [--top_p P] [--min_p P] [--update_scale X]
                           [--rows a,b,c,d,d/vllm-only,s/full-vocab,s/sampler,d/reset,d/salt]
-                          [--threads N] [--fail_above X] [--no_progress]
+                          [--threads N] [--fail_above X] [--no_progress] [--verbose]
     rollout-parity check  [--json PATH|-] [--nemo_rl_source PATH] [--model PATH] [--only a,b]
-                          [--skip a,b] [--require a,b] [--max_delta X] [--no_progress]
+                          [--skip a,b] [--require a,b] [--max_delta X] [--no_progress] [--verbose]
 
 Options are snake_case like TRL's and verl's; the kebab-case spelling (``--top-p``) is an alias.
 Switches take an optional ``true``/``false``; an unknown or abbreviated option is refused in one
@@ -24,11 +24,16 @@ import os
 import sys
 from typing import Any, Iterator
 
+from rollout_parity import quiet
 from rollout_parity._argv import add_switch, normalise_switches, spellings
 from rollout_parity.doctor import DoctorOptions
 from rollout_parity.doctor.rows import ROW_SPECS
 
 __all__ = ["main", "build_parser"]
+
+_VERBOSE_HELP = ("show the frameworks' own output (vLLM, torch and transformers warnings, C-level notices, loading "
+                 "bars) as it comes; by default it is held, counted in one line at the end, and printed in full "
+                 "when a step fails (rollout_parity/quiet.py)")
 
 
 def _option(parser: Any, name: str, **kwargs: Any) -> Any:
@@ -105,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _option(d, "fail_above", type=float, default=None,
             help="exit 1 if the recipe row (d) has mean |delta| above this")
     add_switch(d, "no_progress", help="no progress bar")
+    add_switch(d, "verbose", help=_VERBOSE_HELP)
     _add_check(sub)
     sub.add_parser("launch", add_help=False,
                    help="run an unmodified TRL GRPO script (or NeMo RL's run_grpo.py) with the shared flags: "
@@ -144,6 +150,7 @@ def _add_check(sub: Any) -> None:
     _option(c, "gpu_memory_utilization", type=float, default=0.3,
             help="vLLM probe: the engine's memory share on a GPU (default 0.3)")
     add_switch(c, "no_progress", help="no progress bar")
+    add_switch(c, "verbose", help=_VERBOSE_HELP)
 
 
 @contextlib.contextmanager
@@ -176,7 +183,7 @@ def _check(args: argparse.Namespace) -> int:
                         model=args.model, max_delta=args.max_delta,
                         gpu_memory_utilization=args.gpu_memory_utilization, progress=not args.no_progress)
     try:
-        with _stdout_to_stderr():
+        with _stdout_to_stderr(), quiet.session("check", verbose=args.verbose):
             reports, seconds = run_check(opts)
             env = environment()
     except ValueError as exc:
@@ -216,7 +223,8 @@ def _doctor(args: argparse.Namespace) -> int:
         overrides=overrides,
     )
     try:
-        report = run_doctor(opts)
+        with quiet.session("doctor", verbose=args.verbose):
+            report = run_doctor(opts)
     except (MissingExtraError, ValueError) as exc:
         print(f"rollout-parity doctor: {exc}", file=sys.stderr)
         return 2

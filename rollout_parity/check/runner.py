@@ -12,13 +12,13 @@ import importlib
 import importlib.util
 import os
 import platform
-import sys
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from rollout_parity import quiet
 from rollout_parity.check.report import CORRUPT_ENV, FrameworkReport, corrupt_target, extra_range, in_range
 
 __all__ = ["FRAMEWORKS", "CheckOptions", "corruptible_checks", "run_check", "environment"]
@@ -85,7 +85,7 @@ def _progress(opts: CheckOptions, total: int):
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="rollout-parity check", file=sys.stderr, leave=False)
+    return tqdm(total=total, desc="rollout-parity check", file=quiet.console, leave=False)
 
 
 def _installed(spec: _Spec) -> bool:
@@ -184,7 +184,10 @@ def run_check(opts: CheckOptions) -> tuple[list[FrameworkReport], float]:
             if bar is not None:
                 bar.set_postfix_str(spec.name)
             start = bar.n if bar is not None else 0
-            report = _run_one(spec, opts, bar.update if bar is not None else (lambda n=1: None))
+            with quiet.phase(spec.name) as held:  # the framework's own output: held, printed if it errors
+                report = _run_one(spec, opts, bar.update if bar is not None else (lambda n=1: None))
+                if report.status == "error":
+                    held.show()
             if bar is not None:  # a skip, an error or a run with fewer steps still fills its share
                 bar.update(max(0, start + spec.ticks - bar.n))
             if report.status == "skipped" and spec.key in opts.require:
