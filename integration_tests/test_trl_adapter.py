@@ -610,6 +610,7 @@ EVERY_FLAG = [
     (["--old_logprob_source", "bypass"], dict(old_logprob_source="bypass")),
     (["--log_rollout_offpolicy_metrics", "true"], dict(log_rollout_offpolicy_metrics=True)),
     (["--fp32_lm_head", "true"], dict(fp32_lm_head=True)),
+    (["--precision", "float16"], dict(precision="fp16")),
     (["--weight_sync_check_interval", "3"], dict(weight_sync_check_interval=3)),
     (["--weight_sync_check_threshold", "0.2"], dict(weight_sync_check_threshold=0.2)),
     (["--moe_routing_replay", "true"], dict(moe_routing_replay=True)),

@@ -454,7 +454,8 @@ def _trl_report(stop: _Built, target: str, launcher_cfg: CorrectionConfig) -> in
     else:
         policy = engine_options(cfg)["prefix_cache_policy"]
         lines.append(f"vLLM server (vllm_mode={config.vllm_mode}): serve the model with the parity recipe:")
-        lines.append("  " + server_command(model or "MODEL", fp32_lm_head=cfg.fp32_lm_head, prefix_cache_policy=policy))
+        lines.append("  " + server_command(model or "MODEL", fp32_lm_head=cfg.fp32_lm_head, prefix_cache_policy=policy,
+                                            precision=cfg.precision))
     if settings.truncates and model_config is None:
         lines.append(f"note: the sampler truncates and {model or 'the model'}'s config was not read here (not a local "
                      "directory): its head modifiers are checked when the trainer starts")

@@ -48,3 +48,9 @@ def test_the_recipe_sets_the_engine_dtype_and_refuses_a_contradicting_one():
     flags = vllm_serve_flags(precision="fp16", style="trl")
     assert flags[flags.index("--dtype") + 1] == "float16"
     assert "--dtype" not in vllm_serve_flags()
+
+
+def test_the_refusal_names_the_flag_it_was_read_from():
+    """The adapters read a framework's own key (``policy.precision``) through the same function."""
+    with pytest.raises(ValueError, match=r"^policy\.precision: unknown precision 'int4'"):
+        normalize_precision("int4", flag="policy.precision")

@@ -192,6 +192,7 @@ LAUNCH_EVERY_FLAG = [
     (["--moe_routing_replay"], dict(moe_routing_replay=True)),
     (["--rollout_sampling_replay"], dict(rollout_sampling_replay=True)),
     (["--compile_correction"], dict(compile_correction=True)),
+    (["--precision", "float16"], dict(precision="fp16")),
 ]
 
 

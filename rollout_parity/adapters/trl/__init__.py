@@ -10,6 +10,7 @@ The rooms, in the order a run meets them:
 
 * ``config``      translate: ``ParityGRPOConfig``, TRL's config with the shared flags;
 * ``refusals``    what cannot be expressed, refused by name before the model and engine load;
+* ``precision``   ``precision``: TRL's fp16/bf16, the load dtype and the engine's dtype, both sides read back;
 * ``engine``      TRL's vLLM engine on the parity recipe (built with it, or checked against it);
 * ``generation``  hand over: the correction once per generation batch, into TRL's channels;
 * ``diagnostics`` the metrics only TRL's loss can see, from a pass-through;

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional
 from trl import GRPOConfig
 
 from rollout_parity.adapters._patching import Patches, is_ours
+from rollout_parity.adapters.trl.precision import mixed_precision_onto_config
 from rollout_parity.core.config import CorrectionConfig, FlagError, closest, flag_from_text
 from rollout_parity.core.ratios import LOG_RATIO_BOUND
 
@@ -67,6 +68,9 @@ _TRL_RELATION = {
     "fp32_lm_head": "turns TRL's cast_lm_head_to_fp32 on (the trainer's head; it wins over "
                     "--cast_lm_head_to_fp32 false) and puts vLLM's head in fp32 too (hf_overrides head_dtype)",
     "old_logprob_source": "bypass: TRL's pi_old recomputation is skipped and the rollout logprobs are pi_old",
+    "precision": "sets TRL's fp16/bf16, the load dtype (model_init_kwargs dtype) where unset, and the vLLM engine's "
+                 "dtype (colocate; trl vllm-serve --dtype); an explicit fp16/bf16 or dtype that contradicts it is "
+                 "refused",
 }
 
 
@@ -158,6 +162,7 @@ class ParityGRPOConfig(GRPOConfig):
     old_logprob_source: str = _shared_field("old_logprob_source")
     log_rollout_offpolicy_metrics: bool = _shared_field("log_rollout_offpolicy_metrics")
     fp32_lm_head: bool = _shared_field("fp32_lm_head")
+    precision: Optional[str] = _shared_field("precision")
     weight_sync_check_interval: Optional[int] = _shared_field("weight_sync_check_interval")
     weight_sync_check_threshold: float = _shared_field("weight_sync_check_threshold")
     moe_routing_replay: bool = _shared_field("moe_routing_replay")
@@ -178,7 +183,9 @@ class ParityGRPOConfig(GRPOConfig):
             raise FlagError("off_policy_sequence_mask_delta: 0 is refused (the shared flag takes > 0: at 0 every "
                             "negative-advantage sequence with any drift, which the mismatch alone gives, is masked); "
                             "TRL's own off_policy_mask_threshold=0 works beside the flags and masks as TRL does")
-        self.correction_config()  # validates; the error names the flag
+        self.precision = self.correction_config().precision  # validates (the error names the flag); normalised
+        if self.precision is not None:  # TRL's fp16/bf16 before its __post_init__ reads and validates them
+            mixed_precision_onto_config(self, self.precision)
         super().__post_init__()
 
     def correction_config(self) -> CorrectionConfig:

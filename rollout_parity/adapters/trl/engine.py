@@ -16,7 +16,9 @@ from typing import Any, Iterator, Mapping, Optional
 
 from rollout_parity.adapters._patching import patched
 from rollout_parity.adapters._refusals import needs_rollout_logprobs
+from rollout_parity.adapters.trl.precision import check_engine_precision
 from rollout_parity.core.config import CorrectionConfig
+from rollout_parity.core.precision import engine_dtype
 
 __all__ = ["engine_options", "colocated_engine_kwargs", "parity_vllm_engine", "server_command", "check_engine"]
 
@@ -30,21 +32,25 @@ def engine_options(cfg: CorrectionConfig) -> dict[str, Any]:
     cache policy is then ``reset``. TRL resets its colocated engine's prefix cache after every weight sync
     (``VLLMGeneration.sync_weights``) and the adapter's sync wrapper checks that the reset took (``sync.py``),
     so no prefix cached under old weights is served after an update (docs/moe.md, "Routing replay").
+    ``precision`` becomes the engine's ``dtype`` (``precision.py``).
     """
     return {"fp32_lm_head": cfg.fp32_lm_head, "prefix_cache_policy": "reset" if cfg.moe_routing_replay else "off",
-            "return_routed_experts": cfg.moe_routing_replay, "sampling_replay": cfg.rollout_sampling_replay}
+            "return_routed_experts": cfg.moe_routing_replay, "sampling_replay": cfg.rollout_sampling_replay,
+            "precision": cfg.precision}
 
 
 def colocated_engine_kwargs(trl_kwargs: Mapping[str, Any], fp32_lm_head: bool = False,
                             prefix_cache_policy: str = "off", return_routed_experts: bool = False,
-                            sampling_replay: bool = False) -> dict[str, Any]:
+                            sampling_replay: bool = False, precision: Optional[str] = None) -> dict[str, Any]:
     """The kwargs TRL's colocated ``vllm.LLM`` is built with: TRL's own ``trl_kwargs`` with the parity recipe
     over them (``vllm_parity_kwargs``; the recipe wins, ``hf_overrides`` merge). With ``return_routed_experts``
-    also vLLM's ``enable_return_routed_experts`` (which needs ``prefix_cache_policy`` other than ``off``)."""
+    also vLLM's ``enable_return_routed_experts`` (which needs ``prefix_cache_policy`` other than ``off``); with
+    ``precision`` the engine's ``dtype`` (TRL passes none: vLLM's ``auto``, the checkpoint's)."""
     from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
     recipe = vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
-                                sampling_replay=sampling_replay, routed_experts=return_routed_experts)
+                                sampling_replay=sampling_replay, routed_experts=return_routed_experts,
+                                precision=precision)
     merged = {**trl_kwargs, **recipe}
     if "hf_overrides" in recipe:
         merged["hf_overrides"] = {**(trl_kwargs.get("hf_overrides") or {}), **recipe["hf_overrides"]}
@@ -53,7 +59,8 @@ def colocated_engine_kwargs(trl_kwargs: Mapping[str, Any], fp32_lm_head: bool = 
 
 @contextlib.contextmanager
 def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "off",
-                       return_routed_experts: bool = False, sampling_replay: bool = False) -> Iterator[dict]:
+                       return_routed_experts: bool = False, sampling_replay: bool = False,
+                       precision: Optional[str] = None) -> Iterator[dict]:
     """Build TRL's colocated ``vllm.LLM`` with :func:`colocated_engine_kwargs` while the block runs.
 
     Yields a dict that gets the final kwargs under ``"kwargs"``. Conflicting options (routed experts without
@@ -64,7 +71,7 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
     from rollout_parity.adapters._vllm_names import check_vllm_names
 
     options = dict(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
-                   return_routed_experts=return_routed_experts, sampling_replay=sampling_replay)
+                   return_routed_experts=return_routed_experts, sampling_replay=sampling_replay, precision=precision)
     colocated_engine_kwargs({}, **options)  # refuse what cannot be built before TRL loads a model
     built: dict[str, Any] = {}
     if getattr(vllm_generation, "LLM", None) is None:  # no vLLM: TRL raises its own error
@@ -85,16 +92,18 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
 
 
 def server_command(model: str, fp32_lm_head: bool = False, prefix_cache_policy: str = "off",
-                   extra_args: Optional[list[str]] = None) -> str:
+                   extra_args: Optional[list[str]] = None, precision: Optional[str] = None) -> str:
     """The ``trl vllm-serve`` command that serves ``model`` with the parity recipe (TRL forwards
-    what it does not know to ``vllm serve``; it adds ``--logprobs-mode processed_logprobs`` itself)."""
+    what it does not know to ``vllm serve``; it adds ``--logprobs-mode processed_logprobs`` itself).
+    ``precision``: ``--dtype`` (TRL's own option, handed to ``vllm serve``)."""
     from rollout_parity.core.vllm_recipe import vllm_serve_flags
 
-    flags = vllm_serve_flags(fp32_lm_head, prefix_cache_policy, style="trl")
+    flags = vllm_serve_flags(fp32_lm_head, prefix_cache_policy, style="trl", precision=precision)
     return shlex.join(["trl", "vllm-serve", "--model", str(model), *flags, *(extra_args or [])])
 
 
-def _server_checks(generation: Any, cfg: CorrectionConfig) -> dict[str, bool]:
+def _server_checks(generation: Any, cfg: CorrectionConfig) -> tuple[dict[str, bool], Any]:
+    """The recipe's checks on the server's resolved configuration, and its model dtype (``torch.bfloat16``)."""
     client = generation.vllm_client
     info = client.get_server_info() if hasattr(client, "get_server_info") else client._get(  # TRL 1.15
         f"{client.base_url}/server_info", params={"config_format": "json"})["vllm_config"]
@@ -105,31 +114,40 @@ def _server_checks(generation: Any, cfg: CorrectionConfig) -> dict[str, bool]:
     if cfg.fp32_lm_head:
         head = model.get("head_dtype") or (model.get("hf_overrides") or {}).get("head_dtype") or model["dtype"]
         checks["fp32_lm_head"] = str(head).replace("torch.", "") in ("float32", "fp32")
-    return checks
+    return checks, model.get("dtype")
 
 
 def check_engine(trainer: Any, cfg: CorrectionConfig) -> Optional[dict[str, bool]]:
-    """TRL's vLLM (colocated, or a server via TRL's client) against the recipe: warn; raise for raw logprobs."""
+    """TRL's vLLM (colocated, or a server via TRL's client) against the recipe: warn; raise for raw logprobs and
+    for an engine in another dtype than ``precision`` (without it, a dtype unlike the trainer's is a warning)."""
     generation, mode = getattr(trainer, "vllm_generation", None), getattr(trainer, "vllm_mode", None)
     if not trainer.use_vllm or generation is None or not trainer.accelerator.is_main_process:
         return None
     try:
         if mode == "server":
-            checks = _server_checks(generation, cfg)
+            checks, dtype = _server_checks(generation, cfg)
         else:
             from rollout_parity.core.vllm_recipe import verify_engine
 
             checks = verify_engine(generation.llm, fp32_lm_head=cfg.fp32_lm_head,
                                    prefix_cache_policy=engine_options(cfg)["prefix_cache_policy"])
+            dtype = generation.llm.llm_engine.vllm_config.model_config.dtype  # TRL's own path to the engine
     except Exception as exc:  # noqa: BLE001 - e.g. a server without /server_info: say so, do not guess
         logger.warning("rollout-parity: could not read TRL's vLLM %s configuration (%s): recipe unverified", mode, exc)
         return None
+    checks.update(check_engine_precision(cfg, trainer, dtype, mode))
     failed = [k for k, ok in checks.items() if not ok]
+    fix = lambda: server_command(trainer.model.name_or_path, fp32_lm_head=cfg.fp32_lm_head,  # noqa: E731
+                                 precision=cfg.precision)
     if "logprobs_mode" in failed and needs_rollout_logprobs(cfg):
         raise ValueError(f"TRL's vLLM {mode} engine returns raw logprobs, not processed_logprobs: r_corr would carry "
                          "the sampler's temperature and truncation as mismatch (--logprobs-mode processed_logprobs)")
+    if "precision" in failed:
+        raise ValueError(f"precision={cfg.precision!r}: TRL's vLLM {mode} engine computes in "
+                         f"{str(dtype).replace('torch.', '')}, the trainer in {engine_dtype(cfg.precision)}; "
+                         + ("serve with: " + fix() if mode == "server" else
+                            "build the trainer with ParityGRPOTrainer (it gives the engine the dtype)"))
     if failed:
         logger.warning("rollout-parity: TRL's vLLM %s engine misses the parity recipe (%s); use ParityGRPOTrainer "
-                       "(colocate) or serve with: %s", mode, ", ".join(failed),
-                       server_command(trainer.model.name_or_path, fp32_lm_head=cfg.fp32_lm_head))
+                       "(colocate) or serve with: %s", mode, ", ".join(failed), fix())
     return checks

@@ -27,6 +27,7 @@ from rollout_parity.adapters.trl.diagnostics import diagnosed_loss
 from rollout_parity.adapters.trl.engine import check_engine
 from rollout_parity.adapters.trl.generation import KEY, ORIGINAL, checked_generate, corrected_generation, \
     observed_forward
+from rollout_parity.adapters.trl.precision import refuse_trainer_precision
 from rollout_parity.adapters.trl.refusals import TRL_RATIO_FIELDS, refuse_trainer
 from rollout_parity.adapters.trl.routing import install_routing_replay
 from rollout_parity.adapters.trl.sync import install_sync_hooks
@@ -93,6 +94,7 @@ def _refuse_built(trainer: Any, cfg: CorrectionConfig) -> SamplerSettings:
     if cfg.fp32_lm_head and not trainer.args.cast_lm_head_to_fp32:
         raise ValueError("fp32_lm_head=True on a GRPOTrainer built with cast_lm_head_to_fp32=False: TRL's fused head "
                          "fixes its fp32 projection at construction (ParityGRPOTrainer turns it on)")
+    refuse_trainer_precision(cfg, trainer)
     state = state_of(trainer)
     sampling = refuse_trainer(cfg, trainer, None if state is None else state.patches)
     for name in _PATCHED:

@@ -16,6 +16,7 @@ from trl import GRPOTrainer
 from rollout_parity.adapters.trl.config import ParityGRPOConfig, as_correction_config
 from rollout_parity.adapters.trl.engine import engine_options, parity_vllm_engine
 from rollout_parity.adapters.trl.patches import apply, state_of
+from rollout_parity.adapters.trl.precision import precision_onto_args
 from rollout_parity.adapters.trl.refusals import refuse
 from rollout_parity.core.config import CorrectionConfig
 
@@ -43,7 +44,8 @@ class ParityGRPOTrainer(GRPOTrainer):
     The shared flags come from a ``ParityGRPOConfig``, else ``rollout_correction=``, else
     ``rollout_correction_default`` (set by ``rollout-parity launch``). The colocated engine is built
     with ``vllm_parity_kwargs``; a server is checked at start. ``fp32_lm_head`` turns TRL's own
-    ``cast_lm_head_to_fp32`` on (logged). ``revert`` leaves engine and head with their recipe.
+    ``cast_lm_head_to_fp32`` on (logged); ``precision`` sets TRL's ``fp16``/``bf16``, the load dtype and the
+    engine's dtype (``precision.py``). ``revert`` leaves engine and head with their recipe.
     """
 
     rollout_correction_default: ClassVar[Optional[CorrectionConfig]] = None
@@ -54,8 +56,11 @@ class ParityGRPOTrainer(GRPOTrainer):
             rollout_correction = type(self).rollout_correction_default
         cfg = as_correction_config(rollout_correction, args)
         if args is not None:
-            refuse(cfg, args, args, model_config=_model_config(model, args),  # before a model or engine exists
+            model_config = _model_config(model, args)
+            refuse(cfg, args, args, model_config=model_config,  # before a model or engine exists
                    off_policy_mask_threshold=args.off_policy_mask_threshold)
+            if cfg.precision is not None:  # TRL's fp16/bf16 and the load dtype, before TRL loads the model
+                precision_onto_args(cfg.precision, args, model, model_config)
             if cfg.fp32_lm_head and not args.cast_lm_head_to_fp32:
                 logger.info("rollout-parity: cast_lm_head_to_fp32: False -> True (fp32_lm_head=True)")
                 args.cast_lm_head_to_fp32 = True
