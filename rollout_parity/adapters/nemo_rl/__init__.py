@@ -9,7 +9,8 @@ Rooms: ``translate`` (the ``loss_fn`` block: our keys apart from NeMo RL's; NeMo
 shared flags), ``handover`` (``RolloutParityLossFn``: weights into ``advantages``, masks into
 ``token_mask``, NeMo RL's loss does the rest), ``diagnostics`` (our ``rollout_correction/*``
 metrics by NeMo RL's global counts), ``turn_on`` (resolver, patch, guard: ``apply``/``revert``/
-``is_applied``/``launched``), ``recipe`` (the vLLM parity recipe where NeMo RL reads it),
+``is_applied``/``launched``), ``recipe`` (the vLLM parity recipe where NeMo RL reads it), ``precision``
+(the ``precision`` flag: ``policy.precision`` and the generation's dtype set at ``grpo.setup()``),
 ``versions`` (what it was run against; the one import of NeMo RL).
 
 Run against NeMo RL v0.7.0 (81aa43dd) and main (7ea279ab) from ``../shared/anchors``; NeMo RL is

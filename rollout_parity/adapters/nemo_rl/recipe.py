@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from rollout_parity.adapters.nemo_rl.versions import NEMO_RL_VERSION
 
@@ -36,7 +36,7 @@ NEMO_RL_FIXED_LLM_KWARGS = (
 
 
 def nemo_rl_generation_config(fp32_lm_head: bool = False, prefix_cache_policy: str = "off",
-                              **vllm_kwargs: Any) -> dict:
+                              precision: Optional[str] = None, **vllm_kwargs: Any) -> dict:
     """The vLLM parity recipe placed where NeMo RL reads it (v0.7.0 and main).
 
     Returns ``{"policy": {"generation": {"vllm_cfg": {...}, "vllm_kwargs": {...}},
@@ -51,22 +51,32 @@ def nemo_rl_generation_config(fp32_lm_head: bool = False, prefix_cache_policy: s
     ``vllm_kwargs["hf_overrides"]`` with it); everything else (``async_scheduling``) is
     ``policy.generation.vllm_kwargs``. ``fp32_lm_head=True`` raises ``ValueError``
     (:data:`NEMO_RL_FP32_HEAD_REFUSAL`): NeMo RL's trainer head stays bf16.
+
+    ``precision`` (the ``precision`` flag) adds ``policy.precision`` and ``policy.generation.vllm_cfg.precision``,
+    both in NeMo RL's spelling (``float16``): NeMo RL passes ``vllm_cfg.precision`` to ``vllm.LLM`` as ``dtype``
+    itself, so the recipe's ``dtype`` goes there, never into ``vllm_kwargs``. With the flag in the recipe's
+    ``loss_fn.rollout_correction`` the hook writes the same two keys at ``grpo.setup()`` (``precision.py``).
     """
     from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
 
     if fp32_lm_head:
         raise ValueError(NEMO_RL_FP32_HEAD_REFUSAL)
-    recipe = dict(vllm_parity_kwargs(fp32_lm_head=fp32_lm_head,
-                                     prefix_cache_policy=prefix_cache_policy, **vllm_kwargs))
+    recipe = dict(vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
+                                     precision=precision, **vllm_kwargs))
     logprobs_mode = recipe.pop("logprobs_mode", "processed_logprobs")
     if logprobs_mode != "processed_logprobs":
         raise ValueError(f"logprobs_mode={logprobs_mode!r}: NeMo RL {NEMO_RL_VERSION} always "
                          "uses processed_logprobs")
     vllm_cfg = {"enable_prefix_caching": bool(recipe.pop("enable_prefix_caching")),
                 "logprobs_mode": logprobs_mode}
+    dtype = recipe.pop("dtype") if precision is not None else None  # a bare dtype kwarg: refused below
+    if dtype is not None:
+        vllm_cfg["precision"] = dtype
     hf_overrides = dict(recipe.pop("hf_overrides", None) or {})
     check_nemo_rl_vllm_kwargs(recipe)
     policy: dict[str, Any] = {"generation": {"vllm_cfg": vllm_cfg, "vllm_kwargs": recipe}}
+    if dtype is not None:
+        policy["precision"] = dtype
     if hf_overrides:
         policy["hf_config_overrides"] = hf_overrides
     return {"policy": policy}

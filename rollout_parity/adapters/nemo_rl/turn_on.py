@@ -11,9 +11,13 @@ NeMo RL's script runs (``launched()`` around it):
   ``nemo_rl.algorithms.grpo.ClippedPGLossFn``, which ``grpo.setup()`` calls: a block carrying our
   keys builds ``RolloutParityLossFn``, any other block NeMo RL's own class, untouched;
 * it guards ``ClippedPGLossFn.__init__``: any other code building NeMo RL's loss from a block
-  carrying our keys (PPO, the single-controller setup, a custom launcher) fails loudly.
+  carrying our keys (PPO, the single-controller setup, a custom launcher) fails loudly;
+* it wraps ``nemo_rl.algorithms.grpo.setup``, which sets ``policy.precision`` and the generation's dtype
+  from the block's ``precision`` (or warns when they differ without it) before any worker reads them,
+  and ``nemo_rl.utils.config.parse_hydra_overrides``, whose keys are the user's explicit choices
+  (``precision.py``).
 
-``revert()`` undoes all three; ``is_applied()``. docs/nemo_rl.md, "Turning it on".
+``revert()`` undoes all of it; ``is_applied()``. docs/nemo_rl.md, "Turning it on".
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from rollout_parity.adapters._patching import ModulePatcher, PatchPoint
+from rollout_parity.adapters.nemo_rl import precision as _precision
 from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, RESOLVER, carries_block
 from rollout_parity.adapters.nemo_rl.versions import DISTRIBUTIONS, TESTED_RANGE
 
@@ -62,11 +67,19 @@ def _refuse_our_block(original: Any, self: Any, cfg: Any, *args: Any, **kwargs: 
     return original(self, cfg, *args, **kwargs)
 
 
+def _setup_with_precision(original: Any, master_config: Any, *args: Any, **kwargs: Any) -> Any:
+    """At ``grpo.setup(master_config, ...)``: the precision flag applied to the config before NeMo RL reads it."""
+    _precision.configure_precision(master_config)
+    return original(master_config, *args, **kwargs)
+
+
 _PATCHER = ModulePatcher(
     "NeMo RL",
     (PatchPoint("nemo_rl.algorithms.loss.loss_functions", "ClippedPGLossFn.__init__", _refuse_our_block,
                 eager=True),
-     PatchPoint("nemo_rl.algorithms.grpo", "ClippedPGLossFn", _build_ours)),
+     PatchPoint("nemo_rl.algorithms.grpo", "ClippedPGLossFn", _build_ours),
+     PatchPoint("nemo_rl.algorithms.grpo", "setup", _setup_with_precision),
+     PatchPoint("nemo_rl.utils.config", "parse_hydra_overrides", _precision.record_command_line)),
     distributions=DISTRIBUTIONS, tested=TESTED_RANGE, extra="nemo-rl")
 
 
@@ -86,6 +99,7 @@ def apply() -> None:
     was_applied = is_applied()
     if not was_applied:
         _built.clear()
+        _precision._command_line.clear()
     _PATCHER.apply()
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, _resolve_guard)

@@ -13,6 +13,8 @@ The rooms, in the order a run meets them:
 * ``flags``   the active flags and how they reach every Ray process (the job's environment);
 * ``config``  translate: the ``rollout_parity`` block validated, refused by name, or written into
   verl's config (the vLLM parity recipe, the transport) by :func:`configure_verl`;
+* ``precision`` the ``precision`` flag on verl's actor, ref and rollout dtype keys, and the warning when
+  the two sides differ without it;
 * ``driver``  hand over: the correction once per batch in verl's rollout-correction helper;
 * ``verl_keys`` verl's own correction keys and helper entry points answered by the core, and every metric
   verl's own correction logs, under verl's names;

@@ -23,6 +23,8 @@ from rollout_parity.adapters.verl.compat import REQUIRED_VERL_NAMES, TESTED_VERL
 from rollout_parity.adapters.verl.sync import refuse_sync_flags
 from rollout_parity.adapters.verl.flags import CONFIG_KEY, ENV_CONFIG, ENV_MODULES, MODULE, active_config, \
     carried_env, check_ray_carries, set_active_config, with_module
+from rollout_parity.adapters.verl.precision import refuse_precision_contradictions, warn_one_sided_precision, \
+    write_precision
 from rollout_parity.core.config import CorrectionConfig, refuse_unknown
 from rollout_parity.core.sampler import SamplerSettings
 from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
@@ -132,6 +134,7 @@ def _refuse_outside_fsdp_head_pass(config: Any, what: str) -> None:
 def _refuse(config: Any, cfg: CorrectionConfig, sampler: SamplerSettings, sampler_aware: bool) -> None:
     """What the flags cannot mean in this verl run, by name, before anything is written."""
     check_no_double_correction(config, cfg)
+    refuse_precision_contradictions(config, cfg, _command_line_keys())  # precision.py
     _refuse_recipe_contradictions(config, cfg)
     engine = select(config, "actor_rollout_ref.rollout.name")
     if engine is not None and engine != "vllm":
@@ -221,7 +224,7 @@ def _command_line_keys() -> set[str]:
 
 
 def _merge_vllm_recipe(config: DictConfig, cfg: CorrectionConfig) -> None:
-    recipe = vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head)
+    recipe = vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head, precision=cfg.precision)
     rollout = config.actor_rollout_ref.rollout
     vllm_kwargs = _node(rollout, "engine_kwargs", "vllm")
     for key, value in recipe.items():
@@ -270,6 +273,7 @@ def _write(config: DictConfig, cfg: CorrectionConfig, carried: dict[str, Optiona
     job = _job_env_vars()
     with open_dict(config):
         _merge_vllm_recipe(config, cfg)
+        write_precision(config, cfg)
         config.actor_rollout_ref.rollout.calculate_log_probs = True
         model = config.actor_rollout_ref.model
         libs = model.get("external_lib", None)
@@ -305,6 +309,8 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
     again changes and prints nothing.
     """
     cfg = correction_config_from_verl(config)
+    if cfg is None or cfg.precision is None:
+        warn_one_sided_precision(config)  # a precision set on one side only: said once, never refused
     if cfg is None:
         return None
     check_framework("verl", distributions=("verl",), tested=TESTED_VERL, extra="verl", required=REQUIRED_VERL_NAMES)
@@ -333,12 +339,28 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
                   if a is not None and not k.startswith((CONFIG_KEY, "ray_kwargs."))]
     if overridden:  # a value verl (or the user's YAML) chose, replaced for the recipe: say so where it shows
         print(f"[rollout-parity] verl settings overridden: {'; '.join(overridden)}", flush=True)
-    for key, old, new in changes:
-        logger.info("rollout-parity: %s: %r -> %r", key, old, new)
+    if changes:  # one line, not one per key: Hydra's default logging, which verl's main_ppo keeps, shows INFO
+        logger.info("rollout-parity: verl config changed: %s", _describe_changes(changes))
     if cfg.off_policy_sequence_mask_delta is not None and cfg.old_logprob_source == "recompute":
         logger.warning("off_policy_sequence_mask_delta in verl decoupled mode: the loss does not see rollout "
                        "logprobs, so the behaviour policy of the off-policy mask is pi_old (docs/verl.md)")
     return cfg
+
+
+def _describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    """``key: old -> new; ...`` for verl's own keys; the ``rollout_parity`` block, written out in full (its values
+    are the flags printed above), and the Ray job's env vars (the same flags again) by name."""
+    block, ray, own = f"{CONFIG_KEY}.", "ray_kwargs.", []
+    for key, old, new in changes:
+        if not key.startswith((block, ray)):
+            own.append(f"{key}: {old!r} -> {new!r}")
+    flags = [k[len(block):] for k, _, _ in changes if k.startswith(block)]
+    if flags:
+        own.append(f"{CONFIG_KEY}: {', '.join(flags)} filled in")
+    for key, _, new in changes:
+        if key.startswith(ray):
+            own.append(f"{key} += {', '.join(sorted(new))}" if isinstance(new, dict) else f"{key} set")
+    return "; ".join(own)
 
 
 def _changed_keys(before: Any, after: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
