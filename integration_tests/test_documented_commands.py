@@ -45,6 +45,10 @@ RUN_ELSEWHERE = {
     r"^uv run rollout-parity launch examples/run_grpo\.py ":
         "integration_tests/test_nemo_rl_turn_on.py::test_rollout_parity_launch_runs_the_users_entry_point_with_our_loss",
     r"^(mkdir -p|ROLLOUT_PARITY_NEMO_RL_TESTS=)": "integration_tests/test_nemo_rl_own_loss_tests.py",
+    r"^python -m pip install build && python -m build$": "tests/test_wheel.py",
+    # the built wheel, a checkout's path and a git URL into verl's and TRL's pinned stacks (minutes of pip)
+    r"^pip install '(dist/rollout_parity-[\d.]+-py3-none-any\.whl|/path/to/rollout-parity|rollout-parity)"
+    r"\[\w+\]( @ git\+https://\S+)?'$": "scripts/install_check.sh",
 }
 #: A user's own overrides (docs: "<your usual overrides>"): the engine our adapter writes the recipe for.
 USUAL_VERL = ["actor_rollout_ref.rollout.name=vllm"]
@@ -132,7 +136,9 @@ def _handle(command: str, capsys, monkeypatch, tmp_path: Path) -> str:
             return f"run by {test}"
     if words[:2] == ["pip", "install"]:
         extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-        extra = re.fullmatch(r"rollout-parity\[(\w[\w-]*)\]", words[2]).group(1)
+        form = re.fullmatch(r"(?:\./)?rollout-parity\[(\w[\w-]*)\]", words[2])  # the index's name, or a checkout's path
+        assert form, f"an install form no test covers: {command}"
+        extra = form.group(1)
         assert extra in extras and any(r.startswith(extra.replace("_", "-")) for r in extras[extra]), extra
         return f"extra [{extra}] declared"
     if words[:3] == ["ray", "job", "submit"]:
