@@ -17,6 +17,7 @@ import ast
 import functools
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -254,6 +255,7 @@ VERL_EVERY_FLAG = [
     (["+rollout_parity.moe_routing_replay=true"], dict(moe_routing_replay=True)),
     (["+rollout_parity.rollout_sampling_replay=true"], dict(rollout_sampling_replay=True)),
     (["+rollout_parity.compile_correction=true"], dict(compile_correction=True)),
+    (["+rollout_parity.precision=float16"], dict(precision="fp16")),
     (["+rollout_parity.preset=icepop"], CorrectionConfig.preset("icepop").to_dict()),
 ]
 
@@ -535,7 +537,8 @@ def test_a_submitted_job_carrying_verl_use_external_modules_keeps_it(monkeypatch
     assert "VERL_USE_EXTERNAL_MODULES" not in env_vars
     assert CorrectionConfig.from_dict(json.loads(env_vars[adapter.ENV_CONFIG])) == CorrectionConfig.preset("tis_srs_k3")
     # what verl's run_ppo hands ray.init, then what ray.init does with it inside a submitted job
-    driver_env = OmegaConf.to_container(OmegaConf.merge(get_ppo_ray_runtime_env(config),
+    verls_env = get_ppo_ray_runtime_env(*[config][:len(inspect.signature(get_ppo_ray_runtime_env).parameters)])
+    driver_env = OmegaConf.to_container(OmegaConf.merge(verls_env,  # verl 0.8's takes no config
                                                         config.ray_kwargs.ray_init.runtime_env))
     merged = _merge_runtime_env({"env_vars": job_env}, driver_env)
     assert merged is not None, "Ray would refuse the job"
@@ -1079,6 +1082,12 @@ def test_missing_verl_is_an_import_error_naming_the_extra():
     assert "pip install rollout-parity[verl]" in proc.stdout, proc.stderr[-2000:]
 
 
+#: verl >= 0.9 imports the ``verl.plugins`` entry points at ``import verl``; verl 0.8 only VERL_USE_EXTERNAL_MODULES.
+needs_verl_plugins = pytest.mark.skipif(
+    "_plugins_policy" not in vars(importlib.import_module("verl")),
+    reason="verl < 0.9 loads no verl.plugins entry points at import verl (VERL_USE_EXTERNAL_PLUGINS)")
+
+
 def _import_verl_with_a_broken_adapter(argv, **env):
     """``import verl`` in a fresh process whose adapter cannot import (a room missing), the adapter reached only
     through verl's ``verl.plugins`` entry point, as on verl 0.9 without ``VERL_USE_EXTERNAL_MODULES``."""
@@ -1093,6 +1102,7 @@ def _import_verl_with_a_broken_adapter(argv, **env):
                           env={**clean, "PYTHONPATH": str(REPO), **env})
 
 
+@needs_verl_plugins
 def test_a_driver_whose_plugin_import_fails_stops_naming_the_fix():
     """verl logs a failed ``verl.plugins`` import at DEBUG only, so ``+rollout_parity.*`` overrides would be ignored:
     a driver whose command line sets them stops at ``import verl``, naming the cause and the fix."""
@@ -1105,6 +1115,7 @@ def test_a_driver_whose_plugin_import_fails_stops_naming_the_fix():
     assert "pip install 'rollout-parity[verl]'" in err and "on every node" in err
 
 
+@needs_verl_plugins
 def test_a_ray_process_of_a_configured_job_whose_plugin_import_fails_stops_too():
     """A worker on a node where the adapter cannot import, in a job that carries the flags (its env): the same."""
     proc = _import_verl_with_a_broken_adapter([], **{adapter.ENV_CONFIG: json.dumps(CorrectionConfig().to_dict())})
@@ -1112,6 +1123,7 @@ def test_a_ray_process_of_a_configured_job_whose_plugin_import_fails_stops_too()
     assert f"configured with rollout-parity's flags ({adapter.ENV_CONFIG} is set)" in proc.stderr, proc.stderr[-3000:]
 
 
+@needs_verl_plugins
 def test_without_the_flags_a_failed_plugin_import_is_a_warning_and_verl_goes_on():
     proc = _import_verl_with_a_broken_adapter(["trainer.nnodes=1"])
     assert proc.returncode == 0 and "VERL_IMPORTED False" in proc.stdout, proc.stderr[-3000:]

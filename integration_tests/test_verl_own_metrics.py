@@ -288,3 +288,43 @@ def test_bypass_loss_on_a_micro_batch_the_driver_rejected_whole_is_zero():
     assert loss.item() == 0.0
     loss.backward()
     assert current.grad is not None and torch.isfinite(current.grad).all()
+
+
+def _verl_0_8_seq_fractions(weights, mask, upper, lower):
+    """verl 0.8.0's ``compute_is_metrics`` (``rollout_corr_helper.py`` there), re-implemented: each sequence's
+    mean APPLIED weight against the bounds (``lower`` defaults to ``1/upper``)."""
+    rows = [float((weights[i] * mask[i]).sum() / mask[i].sum()) for i in range(mask.shape[0]) if mask[i].sum() > 0]
+    lo = 1.0 / upper if lower is None else lower
+    return (sum(r > upper for r in rows) / len(rows), sum(r < lo for r in rows) / len(rows))
+
+
+@pytest.mark.parametrize("rollout_is, threshold, upper, lower", [
+    ("token", 1.2, 1.2, None), ("token", "0.8_1.2", 1.2, 0.8), ("sequence", 1.5, 1.5, None)])
+def test_under_verl_0_8_verls_seq_fractions_are_its_applied_weight_shares(monkeypatch, rollout_is, threshold, upper,
+                                                                         lower):
+    """verl < 0.9.0 reads ``rollout_is_seq_fraction_high``/``_low`` from the applied weights (its high share is 0
+    under every bound it applies); the adapter gives that release's values under verl's names, ours (the raw mean,
+    verl 0.9's formula) under our names. The compat leg checks the same against verl 0.8.0's own code."""
+    from rollout_parity.adapters.verl import compat
+
+    old, rollout, mask = anchor_batch(5, spread=0.6)
+    keys = dict(rollout_is=rollout_is, rollout_is_threshold=threshold)
+    monkeypatch.setattr(compat, "seq_fractions_of_raw_weights", lambda: True)  # verl >= 0.9.0, whichever is here
+    newer = verl_keys.rollout_correction_and_rejection_mask(old, rollout, mask, **keys)[2]
+    monkeypatch.setattr(compat, "seq_fractions_of_raw_weights", lambda: False)
+    proto, _, ours = verl_keys.rollout_correction_and_rejection_mask(old, rollout, mask, **keys)
+    high, low = _verl_0_8_seq_fractions(proto.batch["rollout_is_weights"], mask, upper, lower)
+    assert high == 0.0 < newer["rollout_corr/rollout_is_seq_fraction_high"]  # the two formulas differ here
+    assert ours["rollout_corr/rollout_is_seq_fraction_high"] == high
+    assert ours["rollout_corr/rollout_is_seq_fraction_low"] == pytest.approx(low, abs=1e-12)
+    for leaf in ("high", "low"):
+        assert ours[f"rollout_correction/is_seq_fraction_{leaf}"] == \
+            newer[f"rollout_corr/rollout_is_seq_fraction_{leaf}"]
+    # compute_is_metrics on weights computed elsewhere: the same rule
+    if rollout_is == "token" and lower is None:
+        log_ratio = (old - rollout) * mask
+        raw = log_ratio.exp() * mask
+        weights = raw.clamp(max=upper)
+        got = verl_keys.is_metrics(weights, raw, log_ratio, mask, rollout_is, upper)
+        assert (got["rollout_is_seq_fraction_high"], got["rollout_is_seq_fraction_low"]) == pytest.approx(
+            _verl_0_8_seq_fractions(weights, mask, upper, None), abs=1e-12)

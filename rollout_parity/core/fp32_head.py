@@ -62,13 +62,15 @@ class _Fp32Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         cdtype = torch.promote_types(weight.dtype, torch.float32)
         x2 = x.reshape(-1, x.shape[-1])
-        out = torch.empty(x2.shape[0], weight.shape[0], dtype=cdtype, device=x.device)
+        # made in its final shape: a view returned from here may not be changed in place (verl 0.8 divides
+        # the logits by the temperature in place)
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=cdtype, device=x.device)
         with exact_fp32_matmul(), torch.autocast(device_type=x.device.type, enabled=False):
             head = HeadProjector(weight, bias, 1.0, x.dtype, cdtype, x2.shape[0], tile=_tile(weight))
-            head.logits_into(out, x2)
+            head.logits_into(out.view(-1, weight.shape[0]), x2)
         ctx.save_for_backward(x, weight, bias)
         ctx.cdtype = cdtype
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return out
 
     @staticmethod
     @once_differentiable

@@ -2,11 +2,13 @@
 
 Every private verl name the adapter wraps or calls is checked once, by ``configure_verl``, before a
 run starts (``_compat.check_framework``); a version outside :data:`TESTED_VERL` gets one warning.
-verl 0.8 has no V1 trainer: what needs its driver step is refused there (``config.py``).
+verl 0.8 has no V1 trainer: what needs its driver step is refused there (``config.py``); its sequence fractions
+of the IS weights are another formula (:func:`seq_fractions_of_raw_weights`, ``verl_keys.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -15,7 +17,8 @@ from typing import Callable
 
 import verl
 
-__all__ = ["TESTED_VERL", "REQUIRED_VERL_NAMES", "verl_version", "has_v1_trainer", "trl_lacking_value_head"]
+__all__ = ["TESTED_VERL", "REQUIRED_VERL_NAMES", "verl_version", "has_v1_trainer", "seq_fractions_of_raw_weights",
+           "trl_lacking_value_head"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,22 @@ def verl_version() -> str:
 def has_v1_trainer() -> bool:
     """verl >= 0.9's TransferQueue trainer (``verl.trainer.ppo.v1``), whose driver step we can reach."""
     return importlib.util.find_spec("verl.trainer.ppo.v1") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def seq_fractions_of_raw_weights() -> bool:
+    """Whether verl's ``rollout_is_seq_fraction_high``/``_low`` are shares of sequences by their mean RAW weight.
+
+    verl >= 0.9.0 (``compute_is_metrics``, and its ``test_seq_fraction_high_uses_raw_weights``): the raw mean,
+    before truncation or masking. verl 0.8's: the mean applied weight, so its ``_high`` is 0 under every bound
+    it applies. An unreadable version counts as the newer convention.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(Version(verl_version()).base_version) >= Version("0.9.0")
+    except InvalidVersion:
+        return True
 
 
 _seen: dict[str, bool] = {}

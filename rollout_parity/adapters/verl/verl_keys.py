@@ -104,10 +104,40 @@ def verl_metrics(cfg: CorrectionConfig, out: CorrectionOutput, response_mask: to
         metrics.update(rejection_rule_metrics(cfg.rejection_rules, out.log_ratio, response_mask))
     metrics.update(extra or {})
     named = verl_names(metrics, cfg)
+    if cfg.rollout_importance_sampling_mode is not None:
+        _release_seq_fractions(named, out.weights, response_mask, cfg.rollout_importance_sampling_threshold,
+                               cfg.rollout_importance_sampling_threshold_lower)
     k1 = metrics.get(PREFIX + "k1_mean")
     if k1 is not None:  # verl's name and its signed convention, beside ours (docs/metrics.md)
         named[VERL_PREFIX + "kl"] = k1
     return named
+
+
+_SEQ_FRACTIONS = ("seq_fraction_high", "seq_fraction_low")
+
+
+def _release_seq_fractions(named: dict[str, float], weights: torch.Tensor, response_mask: torch.Tensor,
+                           upper: float, lower: Optional[float]) -> None:
+    """verl < 0.9.0's ``rollout_is_seq_fraction_high``/``_low`` under verl's names, in ``named``.
+
+    There verl's ``compute_is_metrics`` (0.8.0, ``rollout_corr_helper.py``) reads each sequence's mean APPLIED
+    weight w̄_i (after truncation or masking, before batch normalisation): shares of sequences with w̄_i above
+    ``upper`` / below ``lower`` (``1/upper`` without one), over the rows with a valid token as ours. Ours (the raw
+    mean, verl >= 0.9.0's formula) then keeps our names. Nothing changes on verl >= 0.9.0.
+    """
+    from rollout_parity.adapters.verl.compat import seq_fractions_of_raw_weights
+
+    keys = [VERL_PREFIX + "rollout_is_" + k for k in _SEQ_FRACTIONS]
+    if seq_fractions_of_raw_weights() or not all(k in named for k in keys):
+        return
+    valid = (response_mask != 0).to(torch.float64)
+    per_row = valid.sum(dim=-1)
+    live = per_row > 0
+    rows = (weights.detach().to(torch.float64) * valid).sum(dim=-1)[live] / per_row[live]
+    lo = 1.0 / upper if lower is None else lower
+    for leaf, key, share in zip(_SEQ_FRACTIONS, keys, (rows > upper, rows < lo)):
+        named[PREFIX + "is_" + leaf] = named[key]
+        named[key] = share.double().mean().item() if rows.numel() else 0.0
 
 
 def batch_normalized(cfg: CorrectionConfig, weights: torch.Tensor,
@@ -241,7 +271,10 @@ def is_metrics(rollout_is_weights: torch.Tensor, raw_rollout_is_weights: torch.T
         rollout_is_weights, log_ratio, response_mask, upper=float(rollout_is_threshold),
         lower=rollout_is_threshold_lower, with_mean_and_ess=True,
         sequence_log_ratio=log_ratio_for_metrics.reshape(-1) if sequence else None)
-    return _unprefixed(verl_names(metrics, cfg))
+    named = verl_names(metrics, cfg)
+    _release_seq_fractions(named, rollout_is_weights, response_mask, float(rollout_is_threshold),
+                           rollout_is_threshold_lower)
+    return _unprefixed(named)
 
 
 #: True while verl's ``bypass_mode`` loss runs under the adapter's loss wrapper (``loss.py``).
