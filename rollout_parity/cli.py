@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = DoctorOptions()
     _option(d, "model", default=None, help="HF model directory (default: a tiny chat model trained locally)")
     _option(d, "json", dest="json_path", default=None, help="write the report as JSON here")
-    _option(d, "plot", dest="plot_path", default=None, help="write a PNG of the |delta| distributions here")
+    _option(d, "plot", dest="plot_path", default=None,
+            help="write a PNG of the rows' |delta| distributions here (default: beside --json, the same name with "
+                 ".png; none: no plot)")
     _option(d, "preset", default=defaults.preset,
             help=f"correction preset for ess/clipped/rejected and the recommendation (default {defaults.preset})")
     _option(d, "num_prompts", type=int, default=defaults.num_prompts,
@@ -204,6 +206,7 @@ def _check(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from rollout_parity.core.config import flag_from_text
     from rollout_parity.doctor import MissingExtraError, format_recommendation, format_table, run_doctor
+    from rollout_parity.doctor.watch import format_watch
 
     overrides = {}
     for item in args.overrides:
@@ -212,8 +215,13 @@ def _doctor(args: argparse.Namespace) -> int:
             print(f"rollout-parity doctor: --set takes FLAG=VALUE, got {item!r}", file=sys.stderr)
             return 2
         overrides[name.strip()] = flag_from_text(name.strip(), value)
+    plot_path = args.plot_path
+    if plot_path is None and args.json_path:  # a picture of the rows beside their numbers
+        plot_path = os.path.splitext(args.json_path)[0] + ".png"
+    elif plot_path is not None and plot_path.lower() == "none":
+        plot_path = None
     opts = DoctorOptions(
-        model=args.model, json_path=args.json_path, plot_path=args.plot_path, preset=args.preset,
+        model=args.model, json_path=args.json_path, plot_path=plot_path, preset=args.preset,
         num_prompts=args.num_prompts, samples=args.samples, max_tokens=args.max_tokens, steps=args.steps,
         sentences=args.sentences, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, update_scale=args.update_scale, seed=args.seed,
@@ -230,10 +238,12 @@ def _doctor(args: argparse.Namespace) -> int:
         return 2
     print(format_table(report))
     print(format_recommendation(report))
+    print()
+    print(format_watch(report))
     if args.json_path:
         print(f"report: {args.json_path}")
-    if args.plot_path:
-        print(f"plot: {args.plot_path}")
+    if opts.plot_path:
+        print(f"plot: {opts.plot_path}")
     recipe = report.get("recipe_delta_abs_mean")
     if args.fail_above is not None:
         if recipe is None:

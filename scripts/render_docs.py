@@ -10,7 +10,9 @@ A quoted figure sits between two marker comments; the renderer replaces what is 
 
 SOURCE names a saved run (:data:`RUNS`: the JSON ``rollout-parity doctor --json`` wrote, and the command
 that wrote it). VIEW is one of :data:`VIEWS` (``table``: the ablation table as the doctor prints it;
-``recommendation``: what the doctor prints after it; ``flags``: its "flags to add" line; ``advice``: its part on rejection; ``lines.verl`` / ``lines.trl`` / ``lines.nemo_rl``:
+``recommendation``: what the doctor prints after it; ``flags``: its "flags to add" line; ``advice``: its part on
+rejection; ``precision``: its fp16 verdict; ``fp16_range``: the table's line on fp16's range; ``lines.verl`` /
+``lines.trl`` / ``lines.nemo_rl``:
 one framework's lines; ``command``: the command that made the run, as inline code; ``command.block``: as a code block), or PATH is a dotted path into the
 report (``rows.d.delta_abs_mean``: a row by its name; ``rec.``: the recommendation, recomputed with
 today's code from the saved measurements) with a format (:func:`_format`: a Python format spec such as ``.2e`` or ``.1%``, or ``text``, ``block`` (a text
@@ -26,6 +28,7 @@ Saved logs of runs on other machines (a GPU's: :data:`LOGS`, under docs/data/) a
     <!-- log:FILE:value=PREFIX:KEY -->...<!-- /log -->    KEY's value in the first ``PREFIX ... KEY=value ...`` line
     <!-- log:FILE:values=PREFIX:KEY -->...<!-- /log -->   its value in every such line (runs in a row), "a / b / c"
     <!-- log:FILE:command -->...<!-- /log -->            the command that wrote FILE, as inline code
+    <!-- log:FILE:command.block -->...<!-- /log -->      the same as a code block
 
 The table and the recommendation are re-derived with today's ``format_table`` / ``recommend`` /
 ``format_recommendation`` from the saved measurements, so a change of the doctor's wording or lines
@@ -70,6 +73,14 @@ LOGS: dict[str, str] = {
     # the CUDA kernels compiled for GPU targets by five Triton releases, each first on PYTHONPATH (no GPU needed)
     "cpu/kernel_compile.log": "python scripts/compile_kernels.py --sweep <triton==3.3.1> <triton==3.4.0> "
                               "<triton==3.5.1> <triton==3.6.0> --log docs/data/cpu/kernel_compile.log",
+    # evidence 2's truncated-sampling experiment, one seed, with the precision flag at fp16 and bf16 and unset (stdout)
+    "cpu/tim_truncated_precision.log": "for p in fp16 bf16; do\n"
+                                       "  python benchmarks/tim_truncated.py --precision $p --seeds 0 \\\n"
+                                       "    --conditions ref_trunc calibrated preset_full_vocab --out <dir>\n"
+                                       "done\n"
+                                       "python benchmarks/tim_truncated.py --seeds 0 \\\n"
+                                       "  --conditions ref_trunc calibrated preset_full_vocab --out <dir> \\\n"
+                                       "  --plot <dir>/evidence_truncated.png",
 }
 
 LOG_MARKER = re.compile(r"<!-- log:(?P<file>[^: ]+):(?P<select>[^>]*?) -->(?P<body>.*?)<!-- /log -->", re.DOTALL)
@@ -127,6 +138,32 @@ def _advice(report: Mapping[str, Any]) -> str:
     return "\n".join(lines[start: end + 1])
 
 
+def _precision(report: Mapping[str, Any]) -> str:
+    """The recommendation's fp16 verdict: its heading line and the indented lines under it."""
+    lines = _recommendation(report).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("fp16 on both sides ("))
+    end = start + 1
+    while end < len(lines) and lines[end].startswith("  "):
+        end += 1
+    return "\n".join(lines[start:end])
+
+
+def _fp16_range(report: Mapping[str, Any]) -> str:
+    from rollout_parity.doctor.output import fp16_range_line
+
+    line = fp16_range_line(report.get("precision"))
+    if line is None:
+        raise KeyError("this run has no precision section (a run from before the p/* rows)")
+    return line
+
+
+def _watch(report: Mapping[str, Any]) -> str:
+    """What to chart and its alarm values, as the doctor prints them at its end (docs/watch.md)."""
+    from rollout_parity.doctor.watch import markdown_watch
+
+    return markdown_watch(report)
+
+
 def _command(name: str) -> str:
     return RUNS[name][1]
 
@@ -137,6 +174,9 @@ VIEWS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "flags": lambda r: _fence(next(line for line in _recommendation(r).splitlines()
                                    if line.startswith("flags to add:"))),
     "advice": lambda r: _fence(_advice(r)),
+    "precision": lambda r: _fence(_precision(r)),
+    "fp16_range": lambda r: _fence(_fp16_range(r)),
+    "watch": lambda r: "\n" + _watch(r) + "\n",
     "lines.verl": lambda r: _fence(r["recommendation"]["lines"]["verl"]),
     "lines.trl": lambda r: _fence(r["recommendation"]["lines"]["trl"]),
     "lines.nemo_rl": lambda r: "\n```yaml\n" + r["recommendation"]["lines"]["nemo_rl"] + "\n```\n",
@@ -237,6 +277,8 @@ def render_log(file: str, select: str, root: Path = ROOT) -> str:
         raise KeyError(f"log:{file}: not a saved log (LOGS: {sorted(LOGS)})")
     if select == "command":
         return f"`{LOGS[file]}`"
+    if select == "command.block":
+        return "\n```bash\n" + LOGS[file] + "\n```\n"
     lines = (root / "docs" / "data" / file).read_text().splitlines()
     if select.startswith("lines="):
         first, _, last = select[len("lines="):].partition("-")

@@ -168,6 +168,21 @@ def test_set_flags_and_response_length_reach_the_options(monkeypatch):
     assert cli.main(["doctor", "--no_progress", "--set", "nonsense"]) == 2
 
 
+@pytest.mark.parametrize("argv, plot", [
+    (["--json", "out/run.json"], "out/run.png"), (["--json", "run.json", "--plot", "p.png"], "p.png"),
+    (["--json", "run.json", "--plot", "none"], None), ([], None), (["--plot", "p.png"], "p.png")])
+def test_the_plot_goes_beside_the_json_unless_told_otherwise(monkeypatch, argv, plot):
+    seen = {}
+
+    def fake_run(opts):
+        seen["opts"] = opts
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("rollout_parity.doctor.run_doctor", fake_run)
+    assert cli.main(["doctor", "--no_progress", *argv]) == 2
+    assert seen["opts"].plot_path == plot
+
+
 def test_a_bad_set_flag_fails_before_anything_runs(monkeypatch, capsys):
     monkeypatch.setattr("rollout_parity.doctor.measure.check_requirements",
                         lambda: (_ for _ in ()).throw(AssertionError("too early")))

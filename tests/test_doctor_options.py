@@ -126,7 +126,7 @@ def test_every_doctor_option_reaches_what_runs(model_path, stand_in_engines, tmp
 
 DOCTOR_FLAGS = [
     (["--model", "/models/m"], "model", "/models/m"),
-    (["--json", "/tmp/r.json"], "json_path", "/tmp/r.json"),
+    (["--json", "/tmp/r.json", "--plot", "none"], "json_path", "/tmp/r.json"),  # the plot beside it: test_doctor_cli
     (["--plot", "/tmp/p.png"], "plot_path", "/tmp/p.png"),
     (["--preset", "icepop"], "preset", "icepop"),
     (["--num_prompts", "3"], "num_prompts", 3),
@@ -264,7 +264,13 @@ def test_every_row_takes_its_own_path(model_path, stand_in_engines):
     assert {n: r["prefix_cache_policy"] for n, r in rows.items() if n.startswith("d/")} == {
         "d/vllm-only": "off", "d/reset": "reset", "d/salt": "salt"}
     assert [n for n, r in rows.items() if r["trainer_head"] == "fp32"] == ["d", "s/full-vocab", "s/sampler",
-                                                                         "d/reset", "d/salt"]
+                                                                         "d/reset", "d/salt", "p/fp16+head"]
+    # the precision rows: an fp16 engine (p/fp16, p/fp16+head) or row c's (p/mixed), an fp16 trainer for all three
+    assert kwargs["p/fp16"] == vllm_parity_kwargs(precision="fp16") and kwargs["p/mixed"] == kwargs["c"]
+    assert kwargs["p/fp16+head"] == vllm_parity_kwargs(fp32_lm_head=True, precision="fp16")
+    assert {n: r["trainer_dtype"] for n, r in rows.items()} == {
+        n: "float16" if n.startswith("p/") else "bfloat16" for n in rows}
+    assert rows["p/mixed"]["delta_abs_mean"] != rows["c"]["delta_abs_mean"]
     # the same rollouts scored by a bf16 head (d/vllm-only) or over the full vocabulary (s/full-vocab)
     assert rows["d/vllm-only"]["delta_abs_mean"] != rows["d"]["delta_abs_mean"]
     assert rows["a"]["delta_abs_mean"] == rows["b"]["delta_abs_mean"] == rows["c"]["delta_abs_mean"]

@@ -45,9 +45,15 @@ ROWS = {
                     sampler="temperature", trainer_fp32=True, view="processed"),
     "d/salt": dict(logprobs_mode=PROCESSED, prefix_cache=True, async_off=True, fp32_head=True, policy="salt",
                    sampler="temperature", trainer_fp32=True, view="processed"),
+    "p/fp16": dict(logprobs_mode=PROCESSED, prefix_cache=False, async_off=True, fp32_head=False, policy="off",
+                   sampler="temperature", trainer_fp32=False, view="processed", dtype="float16", trainer="fp16"),
+    "p/fp16+head": dict(logprobs_mode=PROCESSED, prefix_cache=False, async_off=True, fp32_head=True, policy="off",
+                        sampler="temperature", trainer_fp32=True, view="processed", dtype="float16", trainer="fp16"),
+    "p/mixed": dict(logprobs_mode=PROCESSED, prefix_cache=False, async_off=True, fp32_head=False, policy="off",
+                    sampler="temperature", trainer_fp32=False, view="processed", trainer="fp16"),
 }
 #: Rows scored on the very same rollouts as another row (only the trainer's side differs).
-SAME_ROLLOUTS = {"d/vllm-only": "d", "s/sampler": "s/full-vocab"}
+SAME_ROLLOUTS = {"d/vllm-only": "d", "s/sampler": "s/full-vocab", "p/mixed": "c"}
 SIZING = measure.engine_sizing(DoctorOptions(), 256)  # the doctor's own sizing kwargs for these engines
 SAMPLING = {"temperature": {"temperature": 0.7},
             "truncating": {"temperature": 0.7, "top_k": -1, "top_p": 0.9, "min_p": 0.0}}
@@ -100,12 +106,14 @@ def sampled():
 def test_each_row_samples_with_its_own_engine_policy_and_sampler(sampled):
     specs, built, rounds, checks, out = sampled
     assert all(llm.model == "/models/m" and {k: llm.kwargs[k] for k in SIZING} == SIZING for llm in built)
-    assert len({id(llm) for llm in built}) == len(built) == 5  # a, b, c, d (and s), the cached recipe
+    # a, b, c, d (and s), the cached recipe, the recipe in fp16 and in fp16 with the fp32 head
+    assert len({id(llm) for llm in built}) == len(built) == 7
     for spec in specs:
         want = ROWS[spec.name]
         config = rounds[spec.config]  # the configuration whose rollouts the row's numbers come from
         assert (config.policy, dict(config.sampling)) == (want["policy"], SAMPLING[want["sampler"]]), spec.name
         assert (spec.trainer_fp32_head, spec.trainer_view) == (want["trainer_fp32"], want["view"]), spec.name
+        assert spec.trainer_precision == want.get("trainer", "bf16"), spec.name
         llm, fp32, policy = checks[spec.name]  # verify_engine asked about this row's own engine
         assert llm is config.llm and policy == want["policy"] and fp32 == want["trainer_fp32"], spec.name
     for row, other in SAME_ROLLOUTS.items():
@@ -121,7 +129,7 @@ def test_each_rows_engine_resolves_to_the_rows_settings_in_vllm(sampled):
     from rollout_parity.testing.tiny_model import build_tiny_model
 
     specs, built, rounds, _, _ = sampled
-    kwargs = [dict(llm.kwargs, dtype="bfloat16") for llm in built]  # a bf16 model, as the doctor's trainer
+    kwargs = [{"dtype": "bfloat16", **llm.kwargs} for llm in built]  # a bf16 model unless the row sets one
     proc = subprocess.run([sys.executable, "-c", RESOLVE, build_tiny_model(), json.dumps(kwargs)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -130,6 +138,7 @@ def test_each_rows_engine_resolves_to_the_rows_settings_in_vllm(sampled):
         got, want = by_engine[id(rounds[spec.config].llm)], ROWS[spec.name]
         assert got["logprobs_mode"] == want["logprobs_mode"], (spec.name, got)
         assert got["enable_prefix_caching"] is want["prefix_cache"], (spec.name, got)
+        assert got["model_dtype"] == want.get("dtype", "bfloat16"), (spec.name, got)
         if want["async_off"]:
             assert got["async_scheduling"] is False, (spec.name, got)
         # the head dtype the engine's resolved config asks for (measuring it needs the engine's processes)

@@ -10,7 +10,7 @@ and rollout tokens/s. It ends with what to add to a verl, TRL or NeMo RL run: fl
 rejection drops at most 5% of the parity rows' sequences at the user's answer length
 (``--response_length``; predicted from the measured completions, ``doctor/lengths.py``).
 
-Rows (the trainer is transformers, bf16 body; its head as given):
+Rows (the trainer is transformers, bf16 body unless the row says float16; its head as given):
 
     a  vLLM defaults: raw logprobs, prefix cache on, nothing guards updates    trainer head bf16
     b  + processed logprobs (prefix cache still on, unguarded)                 bf16
@@ -23,6 +23,10 @@ Rows (the trainer is transformers, bf16 body; its head as given):
     s/sampler     the same rollouts scored by ``sampler_logprobs`` (sampler-aware): no bias
     d/reset, d/salt   the recipe with the prefix cache kept on and guarded across updates
                       (one shared engine): reset after each update, or cache_salt per version
+    p/fp16        the recipe in float16 on both sides (engine dtype=float16, trainer in float16,
+                  heads in fp16; Qi et al. 2025, "Defeating the Training-Inference Mismatch via FP16")
+    p/fp16+head   the same with the fp32 head on both sides (row d with a float16 body)
+    p/mixed       row c's bf16 rollouts scored by the float16 trainer: a precision set on one side only
 
 Method (``rollout_parity.grpo_rounds``, shared with benchmarks/prefix_cache_throughput.py):
 ``--steps`` weight versions; version 0 is the model, each next one a seeded perturbation of
@@ -35,7 +39,8 @@ tok/s is the median over versions, "vs a" the median of per-version ratios to ro
 
 Modules: ``rows`` (options, what each row is, the checks before anything runs), ``measure``
 (engines, rounds, the trainer's scores, the rows), ``lengths`` (thresholds that fit a length),
-``advice`` (the recommendation and the framework lines), ``output`` (table and plot).
+``advice`` (the recommendation, the fp16 verdict and the framework lines), ``output`` (table and plot),
+``precision`` (fp16's range on the model during the trainer's forwards; the model types vLLM refuses in float16).
 
 Without ``--model`` the doctor uses a tiny chat model it trains itself (about a minute on CPU,
 cached): its next-token distributions are peaked like a trained LM's, and the doctor reports

@@ -6,7 +6,8 @@ from typing import Any, Mapping
 
 from rollout_parity.doctor.lengths import BUDGET
 
-__all__ = ["framework_lines", "recommend", "format_recommendation"]
+__all__ = ["framework_lines", "recommend", "format_recommendation", "precision_verdict", "FP16_PAYS",
+           "PRECISION_OPT_IN", "FP16_TRAINING"]
 
 # The recipe steps the recommendation judges: (what, row before, row after).
 _STEPS = (
@@ -16,6 +17,20 @@ _STEPS = (
     ("sampler-aware trainer logprobs (sampler_logprobs)", "s/full-vocab", "s/sampler"),
 )
 _MATTERS = 1.2  # a step "mattered" when it lowered mean |delta| by at least this factor
+#: fp16 "pays" when p/fp16's mean |delta| is at least this factor below row c's (the same recipe in bf16, bf16
+#: head) and fp16's range is comfortable on the model (``doctor/precision.py``, ``COMFORT_DIVISOR``).
+FP16_PAYS = 2.0
+#: The shared flag that sets both sides' dtype, per framework: an opt-in line, never in the default lines.
+PRECISION_OPT_IN = {"verl": "+rollout_parity.precision=fp16", "trl": "--precision fp16",
+                    "nemo_rl": "precision: fp16 (under loss_fn.rollout_correction)"}
+#: What training in fp16 does about gradient underflow, per framework, as read in their sources: transformers'
+#: TrainingArguments(fp16=True) sets accelerate's mixed_precision="fp16", whose Accelerator makes a GradScaler
+#: (accelerate/accelerator.py); verl's FSDP engine makes a ShardedGradScaler when param_dtype is float16
+#: (verl/workers/engine/fsdp/transformer_impl.py); NeMo RL v0.7.0 reads policy.precision "float16" in its DTensor
+#: worker (fp32 master weights, no GradScaler in its source) and sets Megatron's model.fp16 (models/megatron/setup.py).
+FP16_TRAINING = ("training in fp16 needs loss scaling: TRL (HF Trainer fp16: accelerate's GradScaler), verl (FSDP "
+                 "engine, param_dtype fp16: ShardedGradScaler), NeMo RL (policy.precision float16: Megatron's "
+                 "model.fp16; v0.7.0's DTensor worker has no GradScaler)")
 #: The TRL script the launch line names: the repository's example (an unmodified TRL script runs the same way).
 TRL_EXAMPLE = "examples/trl_grpo.py"
 
@@ -131,7 +146,64 @@ def recommend(report: Mapping[str, Any]) -> dict[str, Any]:
                  "salt_delta_vs_off": salt["delta_abs_mean"] / d["delta_abs_mean"] if d["delta_abs_mean"] else None}
     return {"steps": steps, "fp32_lm_head": fp32, "preset": report["correction_preset"], "rejection": rejection,
             "rejection_shares": advice.get("shares", {}), "checked_at": advice.get("checked_at", []),
-            "flags": _shared_flags(cfg), "acting": acting, "prefix_cache": cache, "lines": framework_lines(cfg)}
+            "flags": _shared_flags(cfg), "acting": acting, "prefix_cache": cache,
+            "precision": precision_verdict(report), "lines": framework_lines(cfg)}
+
+
+def _fp16_range(precision: Mapping[str, Any]) -> dict[str, Any]:
+    """fp16's range on the model over the trainer's forwards (``report["precision"]["forwards"]``): the largest
+    |activation| and |logit| of any forward, and the inf/NaN seen in float16 ones (a bf16 or fp32 forward
+    holds what fp16 would overflow on as a finite number)."""
+    from rollout_parity.core.precision import FP16_MAX
+    from rollout_parity.doctor.precision import COMFORT_DIVISOR
+
+    groups = list((precision.get("forwards") or {}).values())
+    largest = max((max(g["max_abs_activation"], g["max_abs_logit"]) for g in groups), default=0.0)
+    fp16 = [g for g in groups if g.get("dtype") == "float16"]
+    nonfinite = sum(g["nonfinite_forwards"] + g.get("nonfinite_logit_calls", 0) for g in fp16)
+    limit = FP16_MAX / COMFORT_DIVISOR
+    return {"largest": largest, "limit": limit, "nonfinite_fp16": nonfinite,
+            "comfortable": bool(nonfinite == 0 and largest < limit),
+            "share_above": fp16[0]["share_above"] if fp16 else (groups[0]["share_above"] if groups else None)}
+
+
+def precision_verdict(report: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Whether fp16 on both sides pays on this model (Qi et al. 2025), from the p/* rows and fp16's range.
+
+    Pays when row c's mean |delta| is at least ``FP16_PAYS`` times p/fp16's (the same recipe, engine and
+    trainer in fp16 instead of bf16) and the range is comfortable: no inf/NaN in an fp16 forward and every
+    |activation| / |logit| below ``FP16_MAX / COMFORT_DIVISOR``. Also: p/fp16+head against row d (the fp32
+    head on a bf16 body), and p/mixed's cost as a multiple of row c's mismatch. None when the rows did not run.
+    """
+    precision = report.get("precision")
+    rows = {r["row"]: r for r in report["rows"]}
+    if not precision:
+        return None
+    if precision.get("skipped"):
+        return {"pays": False, "reasons": [precision["skipped"]], "factor_needed": FP16_PAYS}
+    if "p/fp16" not in rows or "c" not in rows:
+        return None
+    c, p16 = rows["c"]["delta_abs_mean"], rows["p/fp16"]["delta_abs_mean"]
+    ratio = c / p16 if p16 > 0 else float("inf")
+    fp16_range = _fp16_range(precision)
+    reasons = []
+    if not ratio >= FP16_PAYS:
+        reasons.append(f"no clear gain: p/fp16's mean |delta| is {ratio:.1f}x below row c's (needs {FP16_PAYS:g}x)")
+    if fp16_range["nonfinite_fp16"]:
+        reasons.append(f"overflow: {fp16_range['nonfinite_fp16']} fp16 forward(s) of the trainer held inf/NaN")
+    elif not fp16_range["largest"] < fp16_range["limit"]:
+        reasons.append(f"overflow risk: largest |activation or logit| {fp16_range['largest']:.3g} is not below "
+                       f"FP16_MAX/8 = {fp16_range['limit']:,.0f}")
+    out = {"pays": not reasons, "reasons": reasons, "factor_needed": FP16_PAYS, "c_vs_fp16": ratio,
+           "c": c, "fp16": p16, "range": fp16_range}
+    if "p/mixed" in rows and c > 0:
+        out["mixed_vs_c"] = rows["p/mixed"]["delta_abs_mean"] / c
+    if "p/fp16+head" in rows and "d" in rows:
+        head = rows["p/fp16+head"]["delta_abs_mean"]
+        out["d_vs_fp16_head"] = rows["d"]["delta_abs_mean"] / head if head > 0 else float("inf")
+    if not reasons:
+        out["opt_in"] = dict(PRECISION_OPT_IN)
+    return out
 
 
 def format_recommendation(report: Mapping[str, Any]) -> str:
@@ -153,6 +225,7 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
         out.append(f"  prefix cache kept on with cache_salt (d/salt): {c['salt_vs_off_tokens_per_s']:.2f}x row d's "
                    f"tok/s at {c['salt_delta_vs_off']:.2f}x its |delta|; available where you stamp the requests "
                    "(rollout_parity.WeightVersion); the lines below keep the recipe's cache off")
+    out += _precision_lines(report)
     overrides = report.get("correction_overrides") or {}
     evaluated = rec["preset"] + (" with " + ", ".join(f"{k}={v}" for k, v in overrides.items()) if overrides else "")
     length = (report.get("lengths") or {}).get("response_length")
@@ -183,3 +256,34 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
     out += ["    " + line for line in lines["nemo_rl"].splitlines()]
     return "\n".join(out)
 
+
+
+def _precision_lines(report: Mapping[str, Any]) -> list[str]:
+    """The fp16 verdict, the p/* rows beside the bf16 ones, and (when it pays) the opt-in line."""
+    v = (report.get("recommendation") or {}).get("precision")
+    if not v:
+        return []
+    rows = {r["row"]: r for r in report["rows"]}
+    out = [f"fp16 on both sides (p/* rows; it pays at >= {v['factor_needed']:g}x below row c with fp16's range "
+           "comfortable: no inf/NaN, every |activation| and |logit| below 65504/8):"]
+    if "c_vs_fp16" not in v:
+        return out + ["  " + r for r in v["reasons"]]
+    r = v["range"]
+    head = (f"p/fp16 mean |delta| {v['fp16']:.2e} vs row c's {v['c']:.2e} ({v['c_vs_fp16']:.1f}x); largest "
+            f"|activation or logit| {r['largest']:.3g}, limit {r['limit']:,.0f}")
+    if v["pays"]:
+        out.append(f"  fp16 pays on this model: {head}")
+    else:
+        out.append(f"  fp16 does not pay here: {'; '.join(v['reasons'])} ({head})")
+    if "d_vs_fp16_head" in v:
+        out.append(f"  with the fp32 head too (p/fp16+head): {rows['p/fp16+head']['delta_abs_mean']:.2e} vs row d's "
+                   f"{rows['d']['delta_abs_mean']:.2e} (bf16 body), {v['d_vs_fp16_head']:.1f}x lower")
+    if "mixed_vs_c" in v:
+        out.append(f"  a precision set on one side only costs {v['mixed_vs_c']:.1f}x row c's mismatch (p/mixed: "
+                   "row c's bf16 rollouts scored by an fp16 trainer)")
+    if v.get("opt_in"):
+        o = v["opt_in"]
+        out.append(f"  opt in (it changes your training dtype, so the lines below leave it out): verl {o['verl']} | "
+                   f"TRL {o['trl']} | NeMo RL {o['nemo_rl']}")
+        out.append(f"  {FP16_TRAINING}")
+    return out

@@ -12,12 +12,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from rollout_parity import quiet
 from rollout_parity.doctor.advice import recommend
 from rollout_parity.doctor.lengths import dropped_share, extrapolation, fit_rejection, length_scan, resample, \
     tokens_to_json
 from rollout_parity.doctor.output import plot
-from rollout_parity.doctor.rows import (CONFIGS, PARITY_ROWS, ROW_SPECS, DoctorOptions, RowSpec, check_requirements,
-                                        correction_config, engine_kwargs, sampler_setting, selected_rows, validate)
+from rollout_parity.doctor.rows import (CONFIGS, PARITY_ROWS, PRECISION_ROWS, ROW_SPECS, DoctorOptions, RowSpec,
+                                        check_requirements, correction_config, engine_kwargs, sampler_setting,
+                                        selected_rows, validate)
 
 __all__ = ["run_doctor"]
 
@@ -27,7 +29,7 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
     check_requirements()
     from rollout_parity.grpo_rounds import engine_environment
 
-    with engine_environment(opts.threads) as threads:
+    with engine_environment(opts.threads) as threads, quiet.phase("the measurement"):  # vLLM's, torch's output held
         report = _run(opts, notes, threads)
     if opts.plot_path:
         plot(report.pop("_deltas"), opts.plot_path, report)
@@ -58,7 +60,7 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     t_start = time.perf_counter()
     cfg = correction_config(opts)
     timings: dict[str, Any] = {}
-    say = (lambda msg: print(f"[doctor] {msg}", file=sys.stderr, flush=True)) if opts.progress else (lambda msg: None)
+    say = (lambda msg: print(f"[doctor] {msg}", file=quiet.console)) if opts.progress else (lambda msg: None)
 
     t0 = time.perf_counter()
     model_path, built = opts.model, opts.model is None
@@ -75,7 +77,8 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     device = "cuda" if torch.cuda.is_available() else "cpu"
     trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device).eval()
 
-    specs = selected_rows(opts)
+    specs = _precision_rows(selected_rows(opts), model_path, notes)
+    trainers = _trainers(trainer, specs, model_path, device)
     real_updates = opts.update_scale > 0 and opts.steps > 1 and supports_reload_weights()
     if opts.update_scale > 0 and opts.steps > 1 and not real_updates:
         notes.append("this vLLM has no reload_weights(weights_iterator=...): weight updates were loads that change nothing")
@@ -102,9 +105,12 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     say("scoring the rollouts with the trainer, version by version")
     t0 = time.perf_counter()
     with trainer_threads() as timings["trainer_threads"]:
-        scores, stale = _score_versions(trainer, specs, sampled["batches"], versions, sampling, opts, real_updates)
+        scores, stale, probes = _score_versions(trainers, specs, sampled["batches"], versions, sampling, opts,
+                                                real_updates)
     timings["trainer_s"] = time.perf_counter() - t0
     rows, deltas, tensors = _rows_report(specs, cfg, scores, sampled)
+    for row in rows:  # the dtype of the trainer that scored the row, read back from its parameters
+        row["trainer_dtype"] = _dtype_name(trainers[ROW_SPECS[row["row"]].trainer_precision])
     t0 = time.perf_counter()
     lengths = _lengths(cfg, rows, tensors, opts)
     lengths["extrapolation"] = extrapolation(opts.max_tokens, opts.response_length, longest,
@@ -113,8 +119,8 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
         notes.append(_beyond_training_note(lengths["extrapolation"], opts.max_tokens, opts.response_length))
     timings["lengths_s"] = time.perf_counter() - t0
 
-    entropy_row = "d" if ("d", True) in scores else specs[0].name
-    entropy_parts = scores[(ROW_SPECS[entropy_row].config, ROW_SPECS[entropy_row].trainer_fp32_head)]
+    entropy_row = "d" if _view(ROW_SPECS["d"]) in scores else specs[0].name
+    entropy_parts = scores[_view(ROW_SPECS[entropy_row])]
     entropy = torch.cat([p.entropy[p.mask.bool()] for p in entropy_parts])
     timings["total_s"] = time.perf_counter() - t_start
     report: dict[str, Any] = {
@@ -140,6 +146,7 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "rows": rows,
         "lengths": lengths,
+        "precision": _precision_report(specs, trainers, probes, notes),
         "notes": notes,
         "timings": timings,
     }
@@ -166,7 +173,7 @@ def _sample(vllm: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[st
     config_names = list(dict.fromkeys(s.config for s in specs))
     engine_keys = list(dict.fromkeys(CONFIGS[c][0] for c in config_names))
     bar = tqdm(total=len(engine_keys) + len(config_names) * (opts.steps + 1), desc="doctor",
-               disable=not opts.progress, file=sys.stderr)
+               disable=not opts.progress, file=quiet.console)
     engines: dict[str, Any] = {}
     engine_seconds: dict[str, float] = {}
     try:
@@ -200,29 +207,103 @@ def _sample(vllm: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[st
     return {"batches": batches, "resolved": resolved, "held": held}
 
 
-def _score_versions(trainer: Any, specs: list[RowSpec], batches: Mapping[str, list[Any]], versions: list[Any],
-                    sampling: Mapping[str, Mapping[str, Any]], opts: DoctorOptions, real_updates: bool):
-    """Score each version's rollouts with the trainer holding that version.
+def _view(spec: RowSpec) -> tuple[str, bool, str]:
+    """What a row's trainer scores: (configuration, fp32 head, trainer precision); rows may share one."""
+    return spec.config, spec.trainer_fp32_head, spec.trainer_precision
 
-    Returns the scores per (configuration, fp32 head), one per version, and row d's per-token
-    |delta| with the trainer one version behind (what an engine that missed an update shows).
+
+def _score_versions(trainers: Mapping[str, Any], specs: list[RowSpec], batches: Mapping[str, list[Any]],
+                    versions: list[Any], sampling: Mapping[str, Mapping[str, Any]], opts: DoctorOptions,
+                    real_updates: bool):
+    """Score each version's rollouts with the trainer (per precision) holding that version.
+
+    Returns the scores per :func:`_view`, one per version, row d's per-token |delta| with the trainer
+    one version behind (what an engine that missed an update shows), and per trainer precision the
+    :class:`~rollout_parity.doctor.precision.ActivationProbe` of its forwards. The bf16 trainer holds
+    ``versions[v]``; another one its own load of the checkpoint at version 0 (what its engine loaded)
+    and ``versions[v]`` after, as the engines do.
     """
-    views = sorted({(s.config, s.trainer_fp32_head) for s in specs})
-    scores: dict[tuple[str, bool], list[Any]] = {k: [] for k in views}
+    from contextlib import ExitStack
+
+    from rollout_parity.doctor.precision import ActivationProbe
+
+    views = sorted({_view(s) for s in specs})
+    scores: dict[tuple[str, bool, str], list[Any]] = {k: [] for k in views}
     stale: list[float] = []
+    trainer = trainers["bf16"]
+    probes = {p: ActivationProbe(m) for p, m in trainers.items()}
     try:
-        for v in range(opts.steps):
-            trainer.load_state_dict(versions[v])
-            for config, fp32 in views:
-                scores[(config, fp32)].append(
-                    _score(trainer, batches[config][v], fp32, sampling[CONFIGS[config][2]], opts))
-            if real_updates and "d" in batches and v + 1 < opts.steps:
-                ahead = batches["d"][v + 1]
-                s = _score(trainer, ahead, True, sampling["temperature"], opts)
-                stale += _abs_deltas(s.processed, s.mask, ahead.logprobs)
+        with ExitStack() as stack:
+            for probe in probes.values():
+                stack.enter_context(probe)
+            for v in range(opts.steps):
+                for p, m in trainers.items():
+                    if p == "bf16" or v > 0:
+                        m.load_state_dict(versions[v])
+                for config, fp32, precision in views:
+                    t0 = time.perf_counter()
+                    scores[(config, fp32, precision)].append(
+                        _score(trainers[precision], batches[config][v], fp32, sampling[CONFIGS[config][2]], opts))
+                    probes[precision].seconds += time.perf_counter() - t0
+                if real_updates and "d" in batches and v + 1 < opts.steps:
+                    ahead = batches["d"][v + 1]
+                    s = _score(trainer, ahead, True, sampling["temperature"], opts)
+                    stale += _abs_deltas(s.processed, s.mask, ahead.logprobs)
     finally:
         trainer.load_state_dict(versions[0])
-    return scores, stale
+    return scores, stale, probes
+
+
+def _precision_rows(specs: list[RowSpec], model_path: str, notes: list[str]) -> list[RowSpec]:
+    """The rows without the p/* ones when vLLM refuses this model in float16 (a note says why)."""
+    from rollout_parity.doctor.precision import float16_refusal
+
+    if not any(s.name in PRECISION_ROWS for s in specs):
+        return specs
+    note = float16_refusal(model_path)
+    if note is None:
+        return specs
+    kept = [s for s in specs if s.name not in PRECISION_ROWS]
+    if not kept:
+        raise ValueError(f"--rows: {note.split(': ', 1)[1]}; choose other rows")
+    notes.append(note)
+    return kept
+
+
+def _trainers(trainer: Any, specs: list[RowSpec], model_path: str, device: str) -> dict[str, Any]:
+    """The trainer model per precision the rows need: the bf16 one given, and a float16 load of the
+    checkpoint only when a row scores with one (the p/* rows)."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_parity.core.precision import torch_dtype
+
+    trainers = {"bf16": trainer}
+    for precision in dict.fromkeys(s.trainer_precision for s in specs):
+        if precision not in trainers:
+            trainers[precision] = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=torch_dtype(precision)).to(device).eval()
+    return trainers
+
+
+def _dtype_name(model: Any) -> str:
+    """The dtype of a model's floating parameters (``float16``, ``bfloat16``; ``mixed: ...`` if several)."""
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
+    return dtypes[0] if len(dtypes) == 1 else "mixed: " + ", ".join(dtypes)
+
+
+def _precision_report(specs: list[RowSpec], trainers: Mapping[str, Any], probes: Mapping[str, Any],
+                      notes: list[str]) -> dict[str, Any]:
+    """The report's ``precision`` section: the p/* rows run, each trainer's dtype, and fp16's range on the
+    model over every trainer forward, per trainer precision (``doctor/precision.py``)."""
+    from rollout_parity.doctor.precision import COMFORT_DIVISOR, FP16_MAX, SHARE_DIVISOR
+
+    forwards = {p: dict(probe.summary(_dtype_name(trainers[p])), scoring_s=probe.seconds)
+                for p, probe in probes.items()}
+    skipped = next((n for n in notes if n.startswith("p/* rows skipped")), None)
+    return {"rows": [s.name for s in specs if s.name in PRECISION_ROWS], "skipped": skipped,
+            "fp16_max": FP16_MAX, "share_threshold": FP16_MAX / SHARE_DIVISOR,
+            "comfortable_below": FP16_MAX / COMFORT_DIVISOR,
+            "trainer_dtypes": {p: _dtype_name(m) for p, m in trainers.items()}, "forwards": forwards}
 
 
 def _rows_report(specs: list[RowSpec], cfg: Any, scores: Mapping[tuple[str, bool], list[Any]],
@@ -238,7 +319,7 @@ def _rows_report(specs: list[RowSpec], cfg: Any, scores: Mapping[tuple[str, bool
     deltas: dict[str, list[float]] = {}
     tensors: dict[str, tuple] = {}
     for spec in specs:
-        parts = scores[(spec.config, spec.trainer_fp32_head)]
+        parts = scores[_view(spec)]
         trainer_lp = _stack([getattr(p, spec.trainer_view) for p in parts])
         mask = _stack([p.mask for p in parts])
         rollout_lp = _stack([_rollout_tensor(b.logprobs, p.mask.shape[1]) for b, p in zip(batches[spec.config], parts)])
@@ -349,7 +430,7 @@ def _row(spec: RowSpec, cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any, p
         "engine_kwargs": engine_kwargs(engine_key),
         "engine_resolved": dict(resolved),
         "recipe_held": dict(held),
-        "trainer_head": "fp32" if spec.trainer_fp32_head else "bf16",
+        "trainer_head": "fp32" if spec.trainer_fp32_head else spec.trainer_precision,
         "trainer_view": spec.trainer_view,
         "prefix_cache_policy": policy,
         # Over every token with finite logprobs on both sides: a token the trainer's recomputed kept set

@@ -8,7 +8,7 @@ from typing import Any
 
 from rollout_parity.doctor.rows import ROW_SPECS
 
-__all__ = ["format_table", "plot"]
+__all__ = ["format_table", "plot", "fp16_range_line"]
 
 
 def plot(deltas: dict[str, list[float]], path: str, report: dict[str, Any]) -> None:
@@ -103,6 +103,9 @@ def format_table(report: dict[str, Any]) -> str:
                      "answers from whole measured completions concatenated (block bootstrap)"
                      + (f", assuming {ex['assumes']}" if (ex := report["lengths"].get("extrapolation")) else ""))
     lines.append("tok/s: median over versions (interleaved); vs a: median of per-version ratios to row a")
+    line = fp16_range_line(report.get("precision"))
+    if line:
+        lines.append(line)
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
     t = report["timings"]
@@ -115,3 +118,16 @@ def format_table(report: dict[str, Any]) -> str:
         )
     )
     return "\n".join(lines)
+
+
+def fp16_range_line(precision: dict[str, Any] | None) -> str | None:
+    """One line on fp16's range over the trainer's forwards (``report["precision"]``, ``doctor/precision.py``)."""
+    if not precision or not precision.get("forwards"):
+        return None
+    parts = []
+    for g in precision["forwards"].values():
+        bad = g["nonfinite_forwards"] + g.get("nonfinite_logit_calls", 0)
+        parts.append(f"{g['dtype']} forwards: largest |activation| {g['max_abs_activation']:.3g}, |logit| "
+                     f"{g['max_abs_logit']:.3g}, {g['share_above']:.2%} of tokens above {g['share_threshold']:,.0f}"
+                     + (f", {bad} with inf/NaN" if bad else ", no inf/NaN"))
+    return f"fp16 range (largest finite {precision['fp16_max']:,.0f}) in the trainer's " + "; ".join(parts)

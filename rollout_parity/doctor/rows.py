@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["MissingExtraError", "DEFAULT_ROWS", "DoctorOptions", "RowSpec", "CONFIGS", "ROW_SPECS", "PARITY_ROWS",
-           "engine_kwargs", "check_requirements", "sampler_setting", "validate", "selected_rows", "correction_config"]
+           "PRECISION_ROWS", "engine_kwargs", "check_requirements", "sampler_setting", "validate", "selected_rows",
+           "correction_config"]
 
 
 class MissingExtraError(RuntimeError):
     """A package the doctor needs is not installed; the message names the extra."""
 
 
-DEFAULT_ROWS = ("a", "b", "c", "d", "d/vllm-only", "s/full-vocab", "s/sampler", "d/reset", "d/salt")
+DEFAULT_ROWS = ("a", "b", "c", "d", "d/vllm-only", "s/full-vocab", "s/sampler", "d/reset", "d/salt", "p/fp16",
+                "p/fp16+head", "p/mixed")
 
 
 @dataclass
@@ -55,6 +57,7 @@ class RowSpec:
     trainer_fp32_head: bool
     trainer_view: str  # "processed" (sampler_logprobs) or "full" (full-vocabulary log_softmax)
     how: str
+    trainer_precision: str = "bf16"  # the trainer model's dtype (core/precision.py): bf16 or fp16
 
 
 #: Measured configurations: (engine key, prefix-cache policy across updates, sampling kind).
@@ -66,6 +69,8 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "s": ("recipe_fp32", "off", "truncating"),
     "reset": ("recipe_fp32_cached", "reset", "temperature"),
     "salt": ("recipe_fp32_cached", "salt", "temperature"),
+    "p16": ("recipe_fp16", "off", "temperature"),
+    "p16h": ("recipe_fp16_fp32", "off", "temperature"),
 }
 
 
@@ -82,11 +87,18 @@ def engine_kwargs(key: str) -> dict[str, Any]:
         return vllm_parity_kwargs(fp32_lm_head=True)
     if key == "recipe_fp32_cached":
         return vllm_parity_kwargs(fp32_lm_head=True, prefix_cache_policy="reset")
+    if key == "recipe_fp16":
+        return vllm_parity_kwargs(fp32_lm_head=False, precision="fp16")
+    if key == "recipe_fp16_fp32":
+        return vllm_parity_kwargs(fp32_lm_head=True, precision="fp16")
     raise KeyError(key)
 
 
 #: The rows at parity (recipe engine, fp32 heads, sampler-aware trainer): the advice must not reject their data.
 PARITY_ROWS = ("d", "s/sampler")
+#: The precision rows (Qi et al. 2025, "Defeating the Training-Inference Mismatch via FP16"): skipped together
+#: when vLLM refuses the model in float16 (``doctor/precision.py``).
+PRECISION_ROWS = ("p/fp16", "p/fp16+head", "p/mixed")
 
 ROW_SPECS: dict[str, RowSpec] = {
     s.name: s
@@ -109,10 +121,18 @@ ROW_SPECS: dict[str, RowSpec] = {
                 "engine: recipe, fp32 head, prefix cache on; reset after each update (shared engine)"),
         RowSpec("d/salt", "recipe, cache on + salt", "salt", True, "processed",
                 "engine: recipe, fp32 head, prefix cache on; cache_salt=weight version (shared engine)"),
+        RowSpec("p/fp16", "fp16 both sides", "p16", False, "processed",
+                "engine: vllm_parity_kwargs(precision='fp16'): dtype=float16, head in fp16, no bf16; "
+                "trainer in float16", "fp16"),
+        RowSpec("p/fp16+head", "fp16 + fp32 head both sides", "p16h", True, "processed",
+                "engine: vllm_parity_kwargs(fp32_lm_head=True, precision='fp16'); trainer in float16, "
+                "apply_fp32_lm_head (compare row d: the same with a bf16 body)", "fp16"),
+        RowSpec("p/mixed", "fp16 trainer, bf16 vLLM", "c", False, "processed",
+                "row c's bf16 rollouts (no new sampling); trainer in float16: fp16 set on the trainer only, as "
+                "TRL's --fp16 or verl's actor fp16 leave the engine at the checkpoint's dtype", "fp16"),
     )
 }
 
-# The recipe steps the recommendation judges: (what, row before, row after).
 # ----------------------------------------------------------------------------- requirements
 
 

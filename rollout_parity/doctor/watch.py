@@ -71,7 +71,7 @@ def _acting(report: Mapping[str, Any]) -> Any:
     flags = (report.get("recommendation") or {}).get("flags")
     if flags:
         return CorrectionConfig(**{k: v for k, v in flags.items() if k in CorrectionConfig.__dataclass_fields__})
-    return CorrectionConfig(**report["correction_config"])
+    return CorrectionConfig(**report.get("correction_config", {}))
 
 
 def _floor(w: Watch, report: Mapping[str, Any], row: Optional[Mapping[str, Any]]) -> Optional[float]:
@@ -124,9 +124,10 @@ def format_watch(report: Mapping[str, Any]) -> str:
 def markdown_watch(report: Mapping[str, Any]) -> str:
     """The same as a markdown table (docs/watch.md, rendered from a saved doctor run)."""
     rows = ["| quantity | verl | TRL | NeMo RL | floor (row d) | alarm | rule |", "|---|---|---|---|---|---|---|"]
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731 - a pipe inside a markdown cell
     for r in watch_rows(report):
         n = r["names"]
         sign = "above" if r["above"] else "below"
-        rows.append(f"| {r['what']} | `{n['verl']}` | `{n['TRL']}` | `{n['NeMo RL']}` | {_fmt(r['floor'], r['digits'])} | "
+        rows.append(f"| {cell(r['what'])} | `{n['verl']}` | `{n['TRL']}` | `{n['NeMo RL']}` | {_fmt(r['floor'], r['digits'])} | "
                     f"{sign} {_fmt(r['alarm'], r['digits'])} | {r['rule']} |")
     return "\n".join(rows)
