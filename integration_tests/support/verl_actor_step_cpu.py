@@ -25,30 +25,20 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
-
-LR = 0.5
-PROMPT_LENS = [3, 5, 2, 4]
-RESPONSE_LENS = [6, 2, 7, 4]
 
 
 def main(preset: str) -> dict:
     from .spread import seed
+    from .verl_actor_batch import Batch, actor_overrides, start_process, update_vectors
     from .verl_actor_build import training_worker
-    from .verl_cpu import ENV, install
 
-    os.environ.update(ENV)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-    install()
+    start_process("29533")
 
     import torch
     import transformers
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import response_from_nested
 
-    from rollout_parity import CorrectionConfig, compute_correction, policy_loss
+    from rollout_parity import CorrectionConfig
     from rollout_parity.adapters import verl as adapter
     from rollout_parity.check.verl_checks import compose_verl
     from rollout_parity.core.fp32_head import apply_fp32_lm_head, is_fp32_lm_head, revert_fp32_lm_head
@@ -61,18 +51,7 @@ def main(preset: str) -> dict:
         cfg = cfg.replace(rollout_rejection_threshold=0.02)  # rejects some sequences of this batch
     adapter.set_active_config(cfg)
 
-    config = compose_verl(
-        f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.actor.strategy=fsdp2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.model.use_remove_padding=false",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
-        "actor_rollout_ref.actor.optim.optimizer=SGD", f"actor_rollout_ref.actor.optim.lr={LR}",
-        "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.actor.optim.clip_grad=1e9",
-        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_kl_loss=false",
-        # one log-prob micro-batch: one hidden capture
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={len(PROMPT_LENS)}", base=False)
+    config = compose_verl(*actor_overrides(path), base=False)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     actor_config, worker = training_worker(config)
     engine, module = worker.engine, worker.engine.module
@@ -81,22 +60,8 @@ def main(preset: str) -> dict:
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     initial = copy.deepcopy(reference)
     g = torch.Generator().manual_seed(3 + seed())
-    seqs = [torch.randint(0, reference.config.vocab_size, (p + r,), generator=g)
-            for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
-    B, T = len(seqs), max(RESPONSE_LENS)
-    L = RESPONSE_LENS
-    mask = (torch.arange(T)[None] < torch.tensor(L)[:, None]).float()
-
-    def nested(rows):
-        return tu.nested_tensor_from_tensor_list(list(rows))
-
-    def inputs():
-        return {"input_ids": nested(seqs), "position_ids": nested(torch.arange(len(s)) for s in seqs),
-                "attention_mask": nested(torch.ones(len(s), dtype=torch.long) for s in seqs),
-                "prompts": nested(s[:p] for s, p in zip(seqs, PROMPT_LENS)),
-                "responses": nested(s[p:] for s, p in zip(seqs, PROMPT_LENS)),
-                "loss_mask": nested(mask[i, :L[i]].long() for i in range(B)),
-                "response_mask": nested(mask[i, :L[i]].long() for i in range(B))}
+    batch = Batch(reference.config.vocab_size, g)
+    valid, mask = batch.valid, batch.mask
 
     # 1. verl's own log-prob pass, fp32 head then bf16 head, against an fp64 head on the same hidden states
     seen: dict = {}
@@ -105,15 +70,12 @@ def main(preset: str) -> dict:
         seen["dtype"], seen["hidden"], seen["weight_dtype"] = out.dtype, args[0].detach(), mod.weight.dtype
 
     def log_prob_pass():
-        data = tu.get_tensordict(inputs(), non_tensor_dict={
-            "temperature": 1.0, "compute_loss": False, "calculate_entropy": False, "global_token_num": None})
         handle = head.register_forward_hook(record)
         try:
-            out = worker.infer_batch(data)
+            out = worker.infer_batch(batch.log_prob_data())
         finally:
             handle.remove()
-        lp = response_from_nested(out["log_probs"], inputs()["response_mask"])
-        return torch.nested.to_padded_tensor(lp, 0.0, output_size=(B, T)), seen["dtype"], seen["hidden"]
+        return batch.padded(out["log_probs"]), seen["dtype"], seen["hidden"]
 
     applied_at_build = is_fp32_lm_head(module)
     lp32, dtype32, hidden = log_prob_pass()
@@ -121,68 +83,17 @@ def main(preset: str) -> dict:
     lp16, dtype16, _ = log_prob_pass()
     apply_fp32_lm_head(module)
     weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight
-    # the head in fp64 over the very hidden states verl's pass produced (bf16 weights, as FSDP computes)
-    # (use_remove_padding=false: verl runs one padded row per sequence)
-    flat = torch.cat([hidden[i, :len(s)] for i, s in enumerate(seqs)]).double()
-    logits64 = flat @ weight.detach().to(torch.bfloat16).double().T
-    ids = torch.cat([torch.roll(s, -1) for s in seqs])
-    lp64_flat = torch.log_softmax(logits64, -1).gather(-1, ids[:, None]).squeeze(-1)
-    starts = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
-    lp64 = torch.zeros(B, T, dtype=torch.float64)
-    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
-        lp64[i, :r] = lp64_flat[starts[i] + p - 1: starts[i] + p - 1 + r]
-    valid = mask.bool()
+    lp64 = batch.head_fp64(hidden, weight.detach().to(torch.bfloat16))  # bf16 weights, as FSDP computes
 
     # 2. one update through verl's ppo_loss and our wrapper, vs the core on an independent copy
     with torch.no_grad():
         old = lp32.clone()  # verl's pi_old (fp32 head), as its log-prob pass wrote it
-    # sequences 0 and 2 far off (sum K3 ~0.03, rejected by the preset's 1e-3), 1 and 3 near parity (~1e-4, kept):
-    # every batch seed both rejects and trains, where one mismatch for all let a seed reject the whole batch
-    rollout = old + torch.randn(B, T, generator=g) * torch.tensor([0.1, 0.01, 0.1, 0.01])[:, None]
-    advantages = torch.tensor([1.0, -0.7, 0.4, -1.2])
-    correction = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout, response_mask=mask)
-    data = tu.get_tensordict({  # the layout verl's agent loop + driver put into the TransferQueue
-        **inputs(),
-        "response_mask": nested(correction.mask[i, :L[i]].long() for i in range(B)),
-        "old_log_probs": nested(old[i, :L[i]] for i in range(B)),
-        "rollout_log_probs": nested(rollout[i, :L[i]] for i in range(B)),
-        "advantages": nested(advantages[i] * mask[i, :L[i]] for i in range(B)),
-        "rollout_is_weights": nested(correction.weights[i, :L[i]] for i in range(B)),
-    }, non_tensor_dict={"temperature": 1.0, "mini_batch_size": B, "epochs": 1, "global_batch_size": B, "seed": 1,
-                        "calculate_entropy": False, "dataloader_kwargs": {"shuffle": False}})
-    output = worker.train_mini_batch(data)
-    verl_metrics = {k: float(v[0]) if isinstance(v, list) else float(v)
-                    for k, v in tu.get(output, "metrics").items() if not isinstance(v, dict)}
+    correction, advantages, verl_metrics = batch.train(worker, cfg, old, g)
 
     apply_fp32_lm_head(reference)
-
-    def response_logprobs(model):
-        rows = []
-        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
-            for ids_, p, r in zip(seqs, PROMPT_LENS, RESPONSE_LENS):
-                logits = model(input_ids=ids_.unsqueeze(0)).logits[0].float()
-                lp = torch.log_softmax(logits[p - 1:p + r - 1], -1).gather(-1, ids_[p:p + r].unsqueeze(-1)).squeeze(-1)
-                rows.append(torch.nn.functional.pad(lp, (0, T - r)))
-        return torch.stack(rows)
-
-    current = response_logprobs(reference)
-    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=advantages,
-                          correction=correction, clip_ratio=actor_config.clip_ratio,
-                          clip_ratio_c=actor_config.clip_ratio_c, loss_agg_mode=actor_config.loss_agg_mode,
-                          global_num_tokens=float(mask.sum()), global_num_seqs=float(B))
-    loss.backward()
-    with torch.no_grad():
-        for p in reference.parameters():
-            p -= LR * p.grad
-
-    trained = dict(module.named_parameters())
-    ours, theirs = [], []
-    for (name, expected), start in zip(reference.named_parameters(), initial.parameters()):
-        got = trained[name]
-        got = got.full_tensor() if hasattr(got, "full_tensor") else got
-        ours.append((got.detach().float() - start.detach()).flatten())
-        theirs.append((expected.detach() - start.detach()).flatten())
-    ours_v, theirs_v = torch.cat(ours), torch.cat(theirs)
+    current = batch.response_logprobs(reference, torch.bfloat16)
+    loss = batch.core_update(reference, cfg, current, old, advantages, correction, actor_config)
+    ours_v, theirs_v = update_vectors(module, reference, initial)
     cosine = torch.nn.functional.cosine_similarity(ours_v, theirs_v, dim=0).item()
     torch.distributed.destroy_process_group()
     return {

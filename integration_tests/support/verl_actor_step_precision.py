@@ -29,31 +29,20 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
-
-LR = 0.5
-PROMPT_LENS = [3, 5, 2, 4]
-RESPONSE_LENS = [6, 2, 7, 4]
 
 
 def main(precision: str, cpu_scaler: bool = False) -> dict:
     from .spread import seed
+    from .verl_actor_batch import Batch, actor_overrides, start_process, update_vectors
     from .verl_actor_build import training_worker
-    from .verl_cpu import ENV, install
 
-    os.environ.update(ENV)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29534"))
-    install()
+    start_process("29534")
 
     import torch
     import transformers
-    from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.utils.padding import response_from_nested
 
-    from rollout_parity import compute_correction, policy_loss
     from rollout_parity.adapters import verl as adapter
     from rollout_parity.check.verl_checks import compose_verl
     from rollout_parity.core.fp32_head import apply_fp32_lm_head, is_fp32_lm_head
@@ -63,16 +52,7 @@ def main(precision: str, cpu_scaler: bool = False) -> dict:
     torch.manual_seed(0)
     path = build_tiny_model()  # saved in bf16
     config = compose_verl(
-        f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.actor.strategy=fsdp2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.model.use_remove_padding=false",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
-        "actor_rollout_ref.actor.optim.optimizer=SGD", f"actor_rollout_ref.actor.optim.lr={LR}",
-        "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.actor.optim.clip_grad=1e9",
-        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_kl_loss=false",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={len(PROMPT_LENS)}",
+        *actor_overrides(path),
         "+rollout_parity.preset=tis_srs_k3", "+rollout_parity.rollout_rejection_threshold=0.02",
         "+rollout_parity.fp32_lm_head=true", f"+rollout_parity.precision={precision}", base=False)
     cfg = adapter.configure_verl(config)  # the adapter's config path: the flag's keys written into verl's config
@@ -94,32 +74,8 @@ def main(precision: str, cpu_scaler: bool = False) -> dict:
     initial = copy.deepcopy(reference)
     full64 = copy.deepcopy(reference).double()
     g = torch.Generator().manual_seed(3 + seed())
-    seqs = [torch.randint(0, reference.config.vocab_size, (p + r,), generator=g)
-            for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
-    B, T, L = len(seqs), max(RESPONSE_LENS), RESPONSE_LENS
-    mask = (torch.arange(T)[None] < torch.tensor(L)[:, None]).float()
-    valid = mask.bool()
-
-    def nested(rows):
-        return tu.nested_tensor_from_tensor_list(list(rows))
-
-    def inputs():
-        return {"input_ids": nested(seqs), "position_ids": nested(torch.arange(len(s)) for s in seqs),
-                "attention_mask": nested(torch.ones(len(s), dtype=torch.long) for s in seqs),
-                "prompts": nested(s[:p] for s, p in zip(seqs, PROMPT_LENS)),
-                "responses": nested(s[p:] for s, p in zip(seqs, PROMPT_LENS)),
-                "loss_mask": nested(mask[i, :L[i]].long() for i in range(B)),
-                "response_mask": nested(mask[i, :L[i]].long() for i in range(B))}
-
-    def response_logprobs(model, autocast_dtype):
-        rows = []
-        with torch.autocast(device_type="cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            for ids_, p, r in zip(seqs, PROMPT_LENS, RESPONSE_LENS):
-                logits = model(input_ids=ids_.unsqueeze(0)).logits[0].to(torch.float64 if autocast_dtype is None
-                                                                          else torch.float32)
-                lp = torch.log_softmax(logits[p - 1:p + r - 1], -1).gather(-1, ids_[p:p + r].unsqueeze(-1)).squeeze(-1)
-                rows.append(torch.nn.functional.pad(lp, (0, T - r)))
-        return torch.stack(rows)
+    batch = Batch(reference.config.vocab_size, g)
+    valid, mask = batch.valid, batch.mask
 
     # 1. verl's own log-prob pass with the fp32 head
     seen: dict = {}
@@ -127,66 +83,27 @@ def main(precision: str, cpu_scaler: bool = False) -> dict:
     def record(mod, args, out):
         seen["dtype"], seen["hidden"] = out.dtype, args[0].detach()
 
-    data = tu.get_tensordict(inputs(), non_tensor_dict={
-        "temperature": 1.0, "compute_loss": False, "calculate_entropy": False, "global_token_num": None})
     handle = head.register_forward_hook(record)
     try:
-        out = worker.infer_batch(data)
+        out = worker.infer_batch(batch.log_prob_data())
     finally:
         handle.remove()
-    lp = torch.nested.to_padded_tensor(response_from_nested(out["log_probs"], inputs()["response_mask"]), 0.0,
-                                       output_size=(B, T))
+    lp = batch.padded(out["log_probs"])
     hidden = seen["hidden"]
     weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight
-    flat = torch.cat([hidden[i, :len(s)] for i, s in enumerate(seqs)]).double()
-    logits64 = flat @ weight.detach().to(dtype).double().T  # the head's weights as FSDP hands them to the forward
-    ids = torch.cat([torch.roll(s, -1) for s in seqs])
-    lp64_flat = torch.log_softmax(logits64, -1).gather(-1, ids[:, None]).squeeze(-1)
-    starts = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
-    head64 = torch.zeros(B, T, dtype=torch.float64)
-    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
-        head64[i, :r] = lp64_flat[starts[i] + p - 1: starts[i] + p - 1 + r]
+    head64 = batch.head_fp64(hidden, weight.detach().to(dtype))  # the head's weights as FSDP hands them over
     with torch.no_grad():
-        model64 = response_logprobs(full64, None)
+        model64 = batch.response_logprobs(full64, None)
 
     # 2. one update through verl's ppo_loss and our wrapper, vs the core on an independent copy
     old = lp.clone()  # verl's pi_old, as its log-prob pass wrote it
-    rollout_lp = old + torch.randn(B, T, generator=g) * torch.tensor([0.1, 0.01, 0.1, 0.01])[:, None]
-    advantages = torch.tensor([1.0, -0.7, 0.4, -1.2])
-    correction = compute_correction(cfg, old_logprobs=old, rollout_logprobs=rollout_lp, response_mask=mask)
-    data = tu.get_tensordict({
-        **inputs(),
-        "response_mask": nested(correction.mask[i, :L[i]].long() for i in range(B)),
-        "old_log_probs": nested(old[i, :L[i]] for i in range(B)),
-        "rollout_log_probs": nested(rollout_lp[i, :L[i]] for i in range(B)),
-        "advantages": nested(advantages[i] * mask[i, :L[i]] for i in range(B)),
-        "rollout_is_weights": nested(correction.weights[i, :L[i]] for i in range(B)),
-    }, non_tensor_dict={"temperature": 1.0, "mini_batch_size": B, "epochs": 1, "global_batch_size": B, "seed": 1,
-                        "calculate_entropy": False, "dataloader_kwargs": {"shuffle": False}})
-    output = worker.train_mini_batch(data)
-    verl_metrics = {k: float(v[0]) if isinstance(v, list) else float(v)
-                    for k, v in tu.get(output, "metrics").items() if not isinstance(v, dict)}
+    correction, advantages, verl_metrics = batch.train(worker, cfg, old, g)
     scale_after = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
     apply_fp32_lm_head(reference)
-    current = response_logprobs(reference, dtype)
-    loss, _ = policy_loss(cfg, current_logprobs=current, old_logprobs=old, advantages=advantages,
-                          correction=correction, clip_ratio=actor_config.clip_ratio,
-                          clip_ratio_c=actor_config.clip_ratio_c, loss_agg_mode=actor_config.loss_agg_mode,
-                          global_num_tokens=float(mask.sum()), global_num_seqs=float(B))
-    loss.backward()
-    with torch.no_grad():
-        for p in reference.parameters():
-            p -= LR * p.grad
-
-    trained = dict(module.named_parameters())
-    ours, theirs = [], []
-    for (name, expected), start in zip(reference.named_parameters(), initial.parameters()):
-        got = trained[name]
-        got = got.full_tensor() if hasattr(got, "full_tensor") else got
-        ours.append((got.detach().float() - start.detach()).flatten())
-        theirs.append((expected.detach() - start.detach()).flatten())
-    ours_v, theirs_v = torch.cat(ours), torch.cat(theirs)
+    current = batch.response_logprobs(reference, dtype)
+    loss = batch.core_update(reference, cfg, current, old, advantages, correction, actor_config)
+    ours_v, theirs_v = update_vectors(module, reference, initial)
     declared = declared_only(training_worker, compose_verl, path) if "--declared-only" in sys.argv[2:] else None
     torch.distributed.destroy_process_group()
     fsdp = config.actor_rollout_ref.actor.fsdp_config
@@ -219,6 +136,8 @@ def declared_only(training_worker, compose_verl, path: str) -> dict:
     import logging
 
     from rollout_parity.adapters import verl as adapter
+
+    from .verl_actor_batch import PROMPT_LENS
 
     adapter.set_active_config(None)
     records: list = []
