@@ -482,3 +482,21 @@ def test_engine_kwargs_and_trainer_forward_for_each_precision(tmp_path, precisio
     assert projections == {dtype} and torch.isfinite(logps).all()
     assert trainer_precision(trainer)[0] == precision
     assert trainer.accelerator.native_amp is (precision == "bf16")
+
+
+def test_a_model_type_vllm_refuses_in_fp16_is_refused_by_name_before_anything_loads(tmp_path):
+    """The adapter's own check on the model's config, with the words vLLM's engine would raise minutes later."""
+    from vllm.config.model import _check_valid_dtype
+
+    from rollout_parity.adapters.trl.precision import precision_onto_args
+
+    with pytest.raises(ValueError) as vllms:
+        _check_valid_dtype("glm4", torch.float16)
+    args = _colocate(tmp_path, precision="fp16")
+    with pytest.raises(FlagError) as refused:
+        precision_onto_args("fp16", args, "some/glm4-model", types.SimpleNamespace(model_type="glm4"))
+    assert str(refused.value) == ("precision: 'fp16' with the model of model type 'glm4', which vLLM refuses in "
+                                  f"float16 ({str(vllms.value).split('Reason: ', 1)[1]}); keep precision bf16 "
+                                  "(or null) for this model")
+    precision_onto_args("bf16", args, "some/glm4-model", types.SimpleNamespace(model_type="glm4"))  # bf16: fine
+    assert args.bf16 and not args.fp16

@@ -342,3 +342,27 @@ def test_one_update_of_verls_fsdp_actor_in_fp16_against_the_same_step_in_bf16():
     assert declared["autocast_dtype"] == "torch.bfloat16" and declared["scaler"] is None
     (warning,) = declared["warnings"]
     assert "the actor computes in bf16" in warning and "actor_rollout_ref.rollout.dtype='float16'" in warning
+
+
+def _vllm_refusal(model_type: str) -> str:
+    """vLLM's own words for a model type it refuses in float16 (``_check_valid_dtype``, the engine's check)."""
+    from vllm.config.model import _check_valid_dtype
+
+    with pytest.raises(ValueError) as refused:
+        _check_valid_dtype(model_type, torch.float16)
+    return str(refused.value).split("Reason: ", 1)[1]
+
+
+def test_a_model_type_vllm_refuses_in_fp16_is_refused_by_name_before_ray(tmp_path):
+    """vLLM refuses gemma2 in float16 when its engine builds, minutes into the run; the flag names it at start."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    config = compose_verl(FLAG, "+rollout_parity.precision=fp16", f"actor_rollout_ref.model.path={tmp_path}")
+    with pytest.raises(ValueError) as refused:
+        adapter.configure_verl(config)
+    assert str(refused.value) == (
+        "rollout_parity.precision: 'fp16' with actor_rollout_ref.model.path of model type 'gemma2', which vLLM "
+        f"refuses in float16 ({_vllm_refusal('gemma2')}); keep precision bf16 (or null) for this model")
+    assert adapter.active_config() is None
+    bf16 = compose_verl(FLAG, "+rollout_parity.precision=bf16", f"actor_rollout_ref.model.path={tmp_path}")
+    assert adapter.configure_verl(bf16).precision == "bf16"  # the same model in bf16 is fine
+    adapter.set_active_config(None)

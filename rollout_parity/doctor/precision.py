@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional
 
+from rollout_parity.adapters._fp16_models import FLOAT16_REFUSED_FALLBACK, float16_refusals, model_type_of
 from rollout_parity.core.precision import FP16_MAX
 
 __all__ = ["FP16_MAX", "SHARE_DIVISOR", "COMFORT_DIVISOR", "FLOAT16_REFUSED_FALLBACK", "float16_refusals",
@@ -34,41 +35,15 @@ SHARE_DIVISOR = 16
 #: three doublings a training run's growing activations can take before fp16 overflows.
 COMFORT_DIVISOR = 8
 
-#: vLLM 0.31's ``vllm/config/model.py`` ``_FLOAT16_NOT_SUPPORTED_MODELS`` (model_type -> reason), for a vLLM
-#: without that name.
-FLOAT16_REFUSED_FALLBACK: dict[str, str] = {
-    "gemma2": "Numerical instability. Please use bfloat16 or float32 instead.",
-    "gemma3": "Numerical instability. Please use bfloat16 or float32 instead.",
-    "gemma3_text": "Numerical instability. Please use bfloat16 or float32 instead.",
-    "glm4": "Numerical instability. Please use bfloat16 or float32 instead.",
-}
-
-
-def float16_refusals() -> tuple[dict[str, str], str]:
-    """vLLM's table of model types it refuses in float16, and where it came from."""
-    try:
-        from vllm.config import model as vllm_model_config
-
-        table = vllm_model_config._FLOAT16_NOT_SUPPORTED_MODELS
-    except (ImportError, AttributeError):
-        return dict(FLOAT16_REFUSED_FALLBACK), "vLLM 0.31's table (the installed vLLM has none by that name)"
-    return dict(table), "vllm.config.model._FLOAT16_NOT_SUPPORTED_MODELS"
-
 
 def _model_type(model_path: str) -> Optional[str]:
     """The checkpoint's top-level ``model_type`` (what vLLM's ``_check_valid_dtype`` reads)."""
-    import json
-    from pathlib import Path
-
     try:
         from transformers import AutoConfig
 
         return getattr(AutoConfig.from_pretrained(model_path), "model_type", None)
     except Exception:  # a model type this transformers does not know: read the file itself
-        try:
-            return json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
-        except (OSError, ValueError):
-            return None
+        return model_type_of(model_path)
 
 
 def float16_refusal(model_path: str, table: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from rollout_parity.adapters._fp16_models import refuse_fp16_model
 from rollout_parity.core.config import FlagError
 from rollout_parity.core.precision import engine_dtype, precision_of_dtype
 
@@ -90,6 +91,8 @@ def precision_onto_args(precision: str, args: Any, model: Any, model_config: Any
     """Before ``GRPOTrainer.__init__`` loads anything: TRL's ``fp16`` / ``bf16`` (a plain ``GRPOConfig``, whose
     ``__post_init__`` has run: set, each change logged) and the weights' load dtype (set where unset, refused
     where it contradicts ``precision``)."""
+    if precision == "fp16":  # vLLM's own refusal, named at start instead of when the engine builds
+        refuse_fp16_model(model_config if model_config is not None else model, "the model")
     fp16, bf16 = MIXED_PRECISION[precision]
     for name, value in (("fp16", fp16), ("bf16", bf16)):
         if getattr(args, name) != value:

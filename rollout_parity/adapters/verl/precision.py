@@ -38,8 +38,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from rollout_parity.adapters._fp16_models import refuse_fp16_model
 from rollout_parity.adapters.verl.flags import CONFIG_KEY
-from rollout_parity.core.config import CorrectionConfig
+from rollout_parity.core.config import CorrectionConfig, FlagError
 from rollout_parity.core.precision import engine_dtype, precision_of_dtype
 
 __all__ = ["precision_writes", "refuse_precision_contradictions", "write_precision", "trainer_dtype",
@@ -101,6 +102,11 @@ def refuse_precision_contradictions(config: Any, cfg: CorrectionConfig, explicit
     precision = cfg.precision
     if precision is None:
         return
+    if precision == "fp16":  # vLLM's own refusal, named before Ray starts instead of when the engine builds
+        try:
+            refuse_fp16_model(_select(config, "actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
+        except FlagError as exc:
+            raise ValueError(str(exc).replace("precision:", f"{CONFIG_KEY}.precision:", 1)) from None
     strategy = _strategy(config)
     if strategy not in (None, *_FSDP, "megatron"):
         raise ValueError(f"{CONFIG_KEY}.precision={precision!r} with actor_rollout_ref.actor.strategy={strategy!r}: "
