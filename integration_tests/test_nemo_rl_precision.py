@@ -12,6 +12,7 @@ its vLLM worker's engine assembly (``BaseVllmGenerationWorker._load_model``: ``v
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -22,6 +23,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import pytest
+import torch
 
 from integration_tests.support.nemo_anchor import ANCHORS, VERSIONS, skip_unless_available
 from integration_tests.support.nemo_harness import load
@@ -213,6 +215,24 @@ def test_a_contradicting_value_on_nemos_command_line_is_refused_by_name(nemo, ho
                                              r"precision to the dtype you want on both sides"):
             nemo.grpo.setup(config, None, [1, 2, 3] * 10, None)
     assert not any(mocks[name].called for name in ("RayVirtualCluster", "Policy", "VllmGeneration"))
+
+
+def test_a_model_type_vllm_refuses_in_fp16_is_refused_by_name_at_setup(nemo, hook, tmp_path):
+    """vLLM's engine refuses glm4 in float16 when it builds (its words, from its own check); setup names it first."""
+    from vllm.config.model import _check_valid_dtype
+
+    with pytest.raises(ValueError) as vllms:
+        _check_valid_dtype("glm4", torch.float16)
+    model = tmp_path / "glm4"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "glm4"}))
+    config = master_config(nemo, recipe(tmp_path, FP16), f"policy.model_name={model}")
+    with pytest.raises(ValueError) as refused:
+        setup(nemo, config)
+    assert str(refused.value) == (
+        f"loss_fn.rollout_correction.precision: 'fp16' with policy.model_name of model type 'glm4', which vLLM "
+        f"refuses in float16 ({str(vllms.value).split('Reason: ', 1)[1]}); keep precision bf16 (or null) for this "
+        "model")
 
 
 def test_an_fp8_rollout_engine_is_refused_with_the_flag(nemo, hook, tmp_path):

@@ -29,7 +29,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping, Optional
 
+from rollout_parity.adapters._fp16_models import refuse_fp16_model
 from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, carries_block, split_loss_config
+from rollout_parity.core.config import FlagError
 from rollout_parity.core.precision import engine_dtype, precision_of_dtype
 
 __all__ = ["POLICY_KEY", "GENERATION_KEY", "precision_writes", "configure_precision", "warn_one_sided_precision",
@@ -106,6 +108,11 @@ def configure_precision(config: Any, explicit: Optional[Iterable[str]] = None) -
         warn_one_sided_precision(config)
         return None
     explicit = command_line_keys() if explicit is None else set(explicit)
+    if precision == "fp16":  # vLLM's own refusal, named at setup instead of when the engine builds
+        try:
+            refuse_fp16_model(_get(config, "policy.model_name"), "policy.model_name")
+        except FlagError as exc:
+            raise ValueError(str(exc).replace("precision:", f"{_FLAG}:", 1)) from None
     backend = _get(config, "policy.generation.backend")
     if backend not in (None, "vllm", "megatron"):
         raise ValueError(f"{_FLAG}={precision!r} with policy.generation.backend={backend!r}: the flag writes "
