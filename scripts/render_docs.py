@@ -73,14 +73,11 @@ LOGS: dict[str, str] = {
     # the CUDA kernels compiled for GPU targets by five Triton releases, each first on PYTHONPATH (no GPU needed)
     "cpu/kernel_compile.log": "python scripts/compile_kernels.py --sweep <triton==3.3.1> <triton==3.4.0> "
                               "<triton==3.5.1> <triton==3.6.0> --log docs/data/cpu/kernel_compile.log",
-    # evidence 2's truncated-sampling experiment, one seed, with the precision flag at fp16 and bf16 and unset (stdout)
-    "cpu/tim_truncated_precision.log": "for p in fp16 bf16; do\n"
-                                       "  python benchmarks/tim_truncated.py --precision $p --seeds 0 \\\n"
-                                       "    --conditions ref_trunc calibrated preset_full_vocab --out <dir>\n"
-                                       "done\n"
-                                       "python benchmarks/tim_truncated.py --seeds 0 \\\n"
-                                       "  --conditions ref_trunc calibrated preset_full_vocab --out <dir> \\\n"
-                                       "  --plot <dir>/evidence_truncated.png",
+    # evidence 2's truncated-sampling experiment, seed 0, with the precision flag at bf16 and at fp16 (stdout, in a row)
+    "cpu/tim_truncated_precision.log": "python benchmarks/tim_truncated.py --precision bf16 --seeds 0 \\\n"
+                                       "  --conditions ref_trunc calibrated preset_full_vocab --out <dir>\n"
+                                       "python benchmarks/tim_truncated.py --precision fp16 --seeds 0 \\\n"
+                                       "  --conditions ref_trunc calibrated --out <dir>",
 }
 
 LOG_MARKER = re.compile(r"<!-- log:(?P<file>[^: ]+):(?P<select>[^>]*?) -->(?P<body>.*?)<!-- /log -->", re.DOTALL)

@@ -164,3 +164,45 @@ def test_the_docs_call_the_gpu_speed_goal_met_only_where_the_log_meets_it():
     page = (ROOT / "docs" / "fp32_and_sampler.md").read_text()
     said = page[page.index("**On an NVIDIA H200**"):]
     assert ("the goal of 1.3x the GEMM is **not met**" in said) == (not met), ratios
+
+
+# --- evidence 2 with the precision flag (docs/evidence.md, from docs/data/cpu/tim_truncated_precision.log) -------
+
+def _precision_section() -> str:
+    page = (ROOT / "docs" / "evidence.md").read_text()
+    start = page.index("### The same with fp16 on both sides")
+    return page[start: page.index("\n## ", start)]
+
+
+def _precision_rows() -> dict:
+    """``{(precision, condition): {key: value}}`` of the log's CONDITION lines."""
+    rows = {}
+    for line in (ROOT / "docs" / "data" / "cpu" / "tim_truncated_precision.log").read_text().splitlines():
+        if line.startswith("CONDITION "):
+            head, _, rest = line.partition(": ")
+            precision, condition = head.split()[1].split("/")
+            rows[precision, condition] = dict(word.split("=", 1) for word in rest.split())
+    return rows
+
+
+def test_the_fp16_evidence_types_no_measured_number_by_hand():
+    """Every measured figure of the section is a log marker (or inside a quoted block of the log)."""
+    text = render_docs.LOG_MARKER.sub("", _precision_section())
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    typed = re.findall(r"\d\.\d{2,}|\d+(?:\.\d+)?e-\d+|\d+(?:\.\d+)? ?%", text)
+    assert not typed, f"numbers typed by hand in the fp16 section (quote them from the log): {typed}"
+
+
+def test_the_fp16_evidence_says_what_the_log_shows():
+    rows = _precision_rows()
+    pairs = [(rows["fp16", c], rows["bf16", c]) for p, c in rows if p == "fp16" and ("bf16", c) in rows]
+    assert pairs, "the log holds no condition run in both precisions"
+    shrinks = all(float(f["delta_start"]) < float(b["delta_start"]) for f, b in pairs)
+    diverged = [f["nonfinite_step"] for f, _ in pairs if f.get("nonfinite_step", "none") != "none"]
+    worse = all(float(f["final"]) < float(b["final"]) for f, b in pairs)
+    text = _precision_section()
+    assert ("**fp16 shrinks the mismatch the correction sees.**" in text) == shrinks
+    assert ("fp16 training failed on this CPU" in text) == (bool(diverged) and worse)
+    for (precision, _), row in rows.items():  # both sides computed in the precision the flag asked for
+        assert row["trainer_precision"] == precision
+        assert row["engine"] == {"bf16": "bfloat16", "fp16": "float16"}[precision]

@@ -106,3 +106,56 @@ def test_conditions_share_everything_but_what_they_test(tim):
     assert all(c.sigma == 0 and c.engine_dtype is None for c in truncated)
     assert tim.CONDITIONS["preset_sigma"].sigma == tim.CONDITIONS["calibrated_sigma"].sigma > 0
     assert tim.EXPERIMENTS["truncated"]["answer_words"] >= 32
+
+
+def test_precision_option_reaches_the_adapters_flag_on_both_sides(tim, tmp_path):
+    """``--precision fp16`` hands the shared flag to the adapter, whose own code then sets the engine's dtype and
+    TRL's trainer (fp16, and float16 weights on this CPU device); unset, the runs reported keep their float32
+    trainer, the checkpoint's engine dtype and their saved settings (``--reuse`` still finds them)."""
+    from rollout_parity.adapters.trl.engine import colocated_engine_kwargs, engine_options
+    from rollout_parity.adapters.trl.precision import precision_onto_args
+
+    condition = tim.CONDITIONS["ref_trunc"]
+    for precision, engine, fp16, bf16, load in (("fp16", "float16", True, False, "float16"),
+                                                ("bf16", "bfloat16", False, True, None)):  # None: TRL's float32
+        args = tim.sized(tim.build_parser().parse_args(["--precision", precision]), "truncated")
+        cfg = tim.correction_for(condition, None, args.precision)
+        assert cfg.precision == precision and cfg.fp32_lm_head
+        assert colocated_engine_kwargs({}, **engine_options(cfg))["dtype"] == engine
+        config = tim.grpo_config(condition, args, str(tmp_path), 0)
+        precision_onto_args(cfg.precision, config, "a-model-path", None)  # what ParityGRPOTrainer runs first
+        assert (config.fp16, config.bf16, config.model_init_kwargs.get("dtype")) == (fp16, bf16, load)
+        assert tim._settings(args, condition, None)["precision"] == precision and tim._tag(args) == f"-{precision}"
+
+    default = tim.sized(tim.build_parser().parse_args([]), "truncated")
+    assert default.precision is None and tim._tag(default) == ""
+    cfg = tim.correction_for(condition, None, default.precision)
+    assert cfg.precision is None and "dtype" not in colocated_engine_kwargs({}, **engine_options(cfg))
+    config = tim.grpo_config(condition, default, str(tmp_path), 0)
+    assert (config.fp16, config.bf16, config.model_init_kwargs["dtype"]) == (False, False, "float32")
+    assert "precision" not in tim._settings(default, condition, None)
+
+
+def test_precision_refuses_a_condition_with_its_own_engine_dtype(tim):
+    args = tim.build_parser().parse_args(["--precision", "fp16", "--conditions", "ref_trunc", "parity"])
+    with pytest.raises(SystemExit, match="--precision fp16: parity is defined by its own engine dtype"):
+        tim.refuse_precision(args, [tim.CONDITIONS[c] for c in args.conditions])
+    tim.refuse_precision(tim.build_parser().parse_args(["--conditions", "parity"]), [tim.CONDITIONS["parity"]])
+
+
+def test_a_diverged_run_is_recorded_with_its_first_nonfinite_step(tim):
+    """A run whose loss or gradient norm turns NaN/inf (fp16 on CPU can) is a result: its first such step is kept
+    in the summary and its CONDITION line, and the run's other numbers still come out."""
+    nan = float("nan")
+    history = [{"step": 1, "loss": 0.1, "grad_norm": 0.5}, {"step": 2, "loss": 0.0, "grad_norm": 0.4},
+               {"train_runtime": 1.0}, {"step": 3, "loss": 0.0, "grad_norm": nan}, {"step": 4, "loss": nan}]
+    assert tim.nonfinite_step(history) == 3
+    assert tim.nonfinite_step([{"step": 4, "loss": float("inf"), "grad_norm": 1.0}]) == 4
+    assert tim.nonfinite_step(history[:3]) is None
+
+    runs = [{**_run("ref_trunc", 0, [0.5, 0.0], eval_reward=nan), "nonfinite_step": 3}]
+    table = tim.summarize(runs, {"truncated": 1, "noharm": 1})
+    assert table["ref_trunc"]["nonfinite_steps"] == [3] and table["ref_trunc"]["final_reward"] == 0.0
+    line, = tim.condition_lines(table, runs, "fp16")
+    assert line.startswith("CONDITION fp16/ref_trunc: final=0.000 ") and line.endswith(" nonfinite_step=3")
+    assert " heldout=nan " in line
