@@ -500,3 +500,17 @@ def test_a_model_type_vllm_refuses_in_fp16_is_refused_by_name_before_anything_lo
                                   "(or null) for this model")
     precision_onto_args("bf16", args, "some/glm4-model", types.SimpleNamespace(model_type="glm4"))  # bf16: fine
     assert args.bf16 and not args.fp16
+
+
+def test_fp16_weights_on_a_cpu_are_a_warning_naming_the_collapse_measured(tmp_path, caplog):
+    """On a CPU the flag can only give float16 weights (no autocast there), which trained to a collapse in the
+    truncated-sampling experiment: said as a warning, not an info line."""
+    from rollout_parity.adapters.trl.precision import precision_onto_args
+
+    args = _colocate(tmp_path, precision="fp16")
+    args.model_init_kwargs = None
+    with caplog.at_level(logging.INFO, logger="rollout_parity.adapters.trl"):
+        precision_onto_args("fp16", args, "some/model", types.SimpleNamespace(model_type="qwen2", dtype="bfloat16"))
+    assert args.model_init_kwargs == {"dtype": "float16"}
+    (record,) = [r for r in caplog.records if "model_init_kwargs dtype" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "can collapse" in record.getMessage()

@@ -107,9 +107,11 @@ def precision_onto_args(precision: str, args: Any, model: Any, model_config: Any
     dtype, where = _configured_dtype(args, model, model_config)
     if dtype is None and where == "model_init_kwargs":  # unset: TRL would load float32
         if allowed[0] != "float32":
-            logger.info("rollout-parity: model_init_kwargs dtype: float32 (TRL's default) -> %s (precision=%s on %s: "
-                        "accelerate runs no fp16 autocast there, so the weights carry the dtype)", allowed[0],
-                        precision, device)
+            logger.warning("rollout-parity: model_init_kwargs dtype: float32 (TRL's default) -> %s (precision=%s on %s: "
+                           "accelerate runs no fp16 autocast there, so the weights carry the dtype). Training float16 "
+                           "weights without loss scaling can collapse: the truncated-sampling GRPO experiment did on "
+                           "a CPU (docs/evidence.md); on a GPU the flag keeps float32 weights with a GradScaler",
+                           allowed[0], precision, device)
             args.model_init_kwargs = {**(args.model_init_kwargs or {}), "dtype": allowed[0]}
         return
     if dtype in allowed:
