@@ -278,3 +278,34 @@ def test_a_prediction_past_the_measured_tokens_says_what_it_assumes_and_where_th
         r["rejected_seq_frac_at_length"] = 0.5
     report["lengths"]["extrapolation"] = extrapolation(8, 1024, 290)
     assert "assuming tokens 9-1024 of an answer mismatch like its first 8 (not measured)" in format_table(report)
+
+
+def test_the_table_shows_what_the_recommended_flags_drop_beside_the_measured_preset():
+    """``rej adv``: per row, the sequences the advised seq_mean_k3 rejects, against a plain reading of K3."""
+    import torch
+
+    from rollout_parity.doctor.measure import advised_shares
+    from rollout_parity.doctor.output import format_table
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(40, 12, generator=g)
+    tensors = {}
+    for name, noise in (("d", 0.01), ("a", 0.3)):
+        rollout = old + noise * torch.randn(40, 12, generator=g)
+        tensors[name] = (old, rollout, torch.ones(40, 12))
+    rows = [dict(row="d", label="x", how="h", rejected_seq_frac=0.5), dict(row="a", label="y", how="h")]
+    flags = {"rollout_rejection": ["seq_mean_k3"], "rollout_rejection_threshold": 1e-3}
+    advised_shares(rows, {"flags": flags}, tensors)
+    for row in rows:
+        old_, rollout, _ = tensors[row["row"]]
+        log_r = (old_ - rollout).double()
+        k3 = (log_r.exp() - 1 - log_r).mean(-1)
+        assert row["rejected_seq_frac_advised"] == pytest.approx(float((k3 > 1e-3).double().mean()))
+    assert rows[0]["rejected_seq_frac_advised"] < rows[1]["rejected_seq_frac_advised"]
+    report = dict(rows=rows, sampling=dict(temperature=1.0, truncating="no", max_tokens=12), model="m",
+                  vllm_version="v", correction_preset="tis_srs_k3", timings={})
+    text = format_table(report)
+    assert "rej adv" in text.splitlines()[0] and "rej adv: the sequences the recommended flags" in text
+    unadvised = [dict(row="d", label="x", how="h")]
+    advised_shares(unadvised, {"flags": {}}, tensors)
+    assert "rejected_seq_frac_advised" not in unadvised[0]

@@ -74,6 +74,9 @@ def test_the_rejection_floor_is_the_recommended_flags_share_not_the_measured_pre
     assert row["floor"] == shares
     measured_preset = next(r for r in report["rows"] if r["row"] == "d")["rejected_seq_frac"]
     assert measured_preset != shares
+    measured = copy.deepcopy(report)
+    next(r for r in measured["rows"] if r["row"] == "d")["rejected_seq_frac_advised"] = 0.03
+    assert next(r for r in watch_rows(measured) if r["leaf"] == "rejected_seq_frac")["floor"] == 0.03
     without = copy.deepcopy(report)
     without["recommendation"]["flags"].pop("rollout_rejection")
     without["recommendation"]["flags"].pop("rollout_rejection_threshold")

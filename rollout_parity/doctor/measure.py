@@ -153,8 +153,23 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     recipe = next((r for r in rows if r["row"] == "d"), None)
     report["recipe_delta_abs_mean"] = recipe["delta_abs_mean"] if recipe else None
     report["recommendation"] = recommend(report)
+    advised_shares(rows, report["recommendation"], tensors)
     report["_deltas"] = deltas
     return report
+
+
+def advised_shares(rows: list[dict[str, Any]], recommendation: Mapping[str, Any], tensors: Mapping[str, tuple]) -> None:
+    """Each row's share of sequences the *recommended* flags take out of the loss (``rejected_seq_frac_advised``),
+    beside the measured preset's ``rejected_seq_frac``: the table shows what the run the advice is for would drop."""
+    from rollout_parity.core.config import CorrectionConfig
+
+    flags = recommendation.get("flags")
+    if not flags:
+        return
+    advised = CorrectionConfig(**flags)
+    for row in rows:
+        if row["row"] in tensors:
+            row["rejected_seq_frac_advised"] = dropped_share(advised, tensors[row["row"]])
 
 
 def _sample(vllm: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[str, Any],

@@ -59,6 +59,9 @@ def format_table(report: dict[str, Any]) -> str:
     length = (report.get("lengths") or {}).get("response_length")
     if length is not None:  # the evaluated flags at the user's length, predicted from the measured completions
         cols.insert(10, (f"rej@{length}", "rejected_seq_frac_at_length", "{:.3f}"))
+    advised = any("rejected_seq_frac_advised" in r for r in report["rows"])
+    if advised:  # what the recommended flags drop, on the same tokens
+        cols.insert(10, ("rej adv", "rejected_seq_frac_advised", "{:.3f}"))
     cells = [[h for h, _, _ in cols]]
     for r in report["rows"]:
         cells.append([("-" if k not in r or (isinstance(r[k], float) and math.isnan(r[k])) else fmt.format(r[k]))
@@ -102,6 +105,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"rej seq: measured at {s['max_tokens']} tokens; rej@{length}: predicted for {length}-token "
                      "answers from whole measured completions concatenated (block bootstrap)"
                      + (f", assuming {ex['assumes']}" if (ex := report["lengths"].get("extrapolation")) else ""))
+    if advised:
+        lines.append(f"clipped, rej seq: the preset {report['correction_preset']} as measured; rej adv: the "
+                     "sequences the recommended flags (below) take out of the loss, on the same tokens")
     lines.append("tok/s: median over versions (interleaved); vs a: median of per-version ratios to row a")
     line = fp16_range_line(report.get("precision"))
     if line:

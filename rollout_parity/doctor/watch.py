@@ -83,6 +83,8 @@ def _floor(w: Watch, report: Mapping[str, Any], row: Optional[Mapping[str, Any]]
         rec = report.get("recommendation") or {}
         if not (rec.get("flags") or {}).get("rollout_rejection"):
             return 0.0
+        if "rejected_seq_frac_advised" in row:  # measured on row d's tokens with the recommended flags
+            return float(row["rejected_seq_frac_advised"])
         shares = (rec.get("rejection_shares") or {}).get(FLOOR_ROW) or {}
         measured = str((report.get("lengths") or {}).get("measured", ""))
         if measured in shares:
