@@ -29,10 +29,8 @@ FLOAT16_REFUSED_FALLBACK: dict[str, str] = {
 def float16_refusals() -> tuple[dict[str, str], str]:
     """vLLM's table of model types it refuses in float16, and where it came from."""
     try:
-        from vllm.config import model as vllm_model_config
-
-        table = vllm_model_config._FLOAT16_NOT_SUPPORTED_MODELS
-    except (ImportError, AttributeError):
+        from vllm.config.model import _FLOAT16_NOT_SUPPORTED_MODELS as table
+    except ImportError:  # no vLLM here, or one without the table by that name
         return dict(FLOAT16_REFUSED_FALLBACK), "vLLM 0.31's table (the installed vLLM has none by that name)"
     return dict(table), "vllm.config.model._FLOAT16_NOT_SUPPORTED_MODELS"
 

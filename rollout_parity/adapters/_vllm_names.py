@@ -109,6 +109,8 @@ VLLM_NAMES: tuple[VllmName, ...] = (
              runtime=False),
     VllmName("vllm.config.model:ModelConfig", "verify_engine / describe_engine",
              members=("logprobs_mode", "dtype", "hf_config", "head_dtype")),
+    VllmName("vllm.config.model:_FLOAT16_NOT_SUPPORTED_MODELS", "precision=fp16 refused by model type "
+             "(adapters._fp16_models, the doctor's p/* rows; a vLLM without it: 0.31's copy)", runtime=False),
     VllmName("vllm.config.cache:CacheConfig", "verify_engine", members=("enable_prefix_caching",)),
     VllmName("vllm.config.scheduler:SchedulerConfig", "verify_engine", members=("async_scheduling",)),
     VllmName("vllm.config.vllm:VllmConfig", "verify_engine",
