@@ -34,18 +34,37 @@ STEPS, PROMPTS, SAMPLES, TOKENS = 2, 2, 4, 12
 PARITY = 1e-2
 
 
+def _default_env() -> dict:
+    """The environment of a user who set none of vLLM's logging knobs (the doctor then holds vLLM's output)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING") and k != "VLLM_CONFIGURE_LOGGING"}
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _process(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("doctor")
     report_path, plot_path = tmp / "doctor.json", tmp / "doctor.png"
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    env = _default_env()
     cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--num_prompts", str(PROMPTS), "--samples",
            str(SAMPLES), "--max_tokens", str(TOKENS), "--steps", str(STEPS), "--sentences", "4",
            "--rows", ",".join(ROWS), "--json", str(report_path), "--plot", str(plot_path), "--no_progress",
            "--fail_above", str(PARITY), "--seed", str(seed())]  # the suite's 0, or the seed measure_spread.py varies
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, report_path, plot_path
+
+
+@pytest.fixture(scope="module")
+def run(_process):
+    proc, report_path, plot_path = _process
     return proc.stdout, json.loads(report_path.read_text()), plot_path
+
+
+@pytest.fixture(scope="module")
+def run_quiet(_process):
+    """The shared run's stderr lines that are not the doctor's own, and its summary lines of what it held."""
+    lines = _process[0].stderr.splitlines()
+    return ([line for line in lines if line.strip() and not line.startswith("[doctor]")],
+            [line for line in lines if "messages of the frameworks hidden" in line])
 
 
 def test_table_rows_and_engines(run):
@@ -123,21 +142,19 @@ def test_the_recommendation_prints_lines_for_every_framework(run):
 QUIET_LINES = 2  # lines not the doctor's a default run may print to stderr (an error the frameworks log)
 
 
-def test_the_frameworks_output_is_held_unless_verbose(tmp_path):
+def test_the_frameworks_output_is_held_unless_verbose(tmp_path, run_quiet):
     """The default run's stderr is the doctor's own lines and one summary of what vLLM, torch and transformers
     printed (rollout_parity/quiet.py); --verbose shows that output, as it was before it was held."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING") and k != "VLLM_CONFIGURE_LOGGING"}
+    env = _default_env()
     cmd = [sys.executable, "-m", "rollout_parity.cli", "doctor", "--rows", "d", "--num_prompts", "1", "--samples", "1",
            "--steps", "1", "--max_tokens", "4", "--sentences", "1", "--no_progress"]
-    foreign = {}
-    for verbose in (False, True):
-        proc = subprocess.run(cmd + (["--verbose"] if verbose else []), capture_output=True, text=True, env=env,
-                              timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = proc.stderr.splitlines()
-        foreign[verbose] = [line for line in lines if line.strip() and not line.startswith("[doctor]")]
-        summary = [line for line in lines if "messages of the frameworks hidden" in line]
-        assert len(summary) == (0 if verbose else 1), proc.stderr[-3000:]
+    proc = subprocess.run(cmd + ["--verbose"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    foreign = {True: [line for line in lines if line.strip() and not line.startswith("[doctor]")]}
+    assert not [line for line in lines if "messages of the frameworks hidden" in line], proc.stderr[-3000:]
+    foreign[False] = run_quiet[0]  # the shared run, which sets no vLLM logging knob: held by default
+    assert len(run_quiet[1]) == 1, run_quiet
     assert len(foreign[False]) <= QUIET_LINES, "\n".join(foreign[False])
     assert len(foreign[True]) > QUIET_LINES, "\n".join(foreign[True])
 

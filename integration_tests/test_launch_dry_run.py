@@ -59,7 +59,8 @@ def _compose(overrides: list[str]):
 
 
 @pytest.mark.verl
-def test_verl_dry_run_prints_the_flags_verl_config_reads_and_the_recipe(tmp_path):
+def test_verl_dry_run_prints_the_flags_verl_config_reads_and_the_recipe(monkeypatch, capsys, tmp_path):
+    """In process (the CLI's own process is TRL's test below): ``launch`` as ``rollout-parity launch`` calls it."""
     from rollout_parity.testing.stack import need
 
     need("verl", extra="verl")
@@ -67,9 +68,11 @@ def test_verl_dry_run_prints_the_flags_verl_config_reads_and_the_recipe(tmp_path
 
     overrides = [*USUAL, *_documented_overrides()]
     assert "+rollout_parity.fp32_lm_head=true" in overrides
-    proc = _cli("--dry-run", "-m", VERL_MAIN, *overrides, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    report = _sections(proc.stdout)
+    monkeypatch.chdir(tmp_path)
+    code = launch(["--dry-run", "-m", VERL_MAIN, *overrides])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err[-3000:]
+    report = _sections(out)
     expected = correction_config_from_verl(_compose(overrides))
     assert expected is not None and expected.fp32_lm_head
     assert _json_items(report["shared flags"]) == expected.to_dict()
