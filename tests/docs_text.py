@@ -17,6 +17,8 @@ FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
 #: A block preceded by this comment is a record (what ran), not an example to copy; the reason is required.
 NOT_AN_EXAMPLE = re.compile(r"<!-- not-an-example: (?P<why>[^>]{10,}) -->\s*$")
+#: A block the render script fills from a saved log (``<!-- log:FILE:SELECT -->``) is a record too.
+LOG_QUOTE = re.compile(r"<!-- log:[^ ]+ -->\s*$")
 
 
 def pages(root: Path = ROOT) -> list[Path]:
@@ -61,6 +63,8 @@ def blocks(page: Path) -> list[Block]:
             i += 1
         prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         why = NOT_AN_EXAMPLE.search(prev)
+        if why is None and LOG_QUOTE.search(prev):  # a saved log quoted by the render script: what ran
+            why = {"why": "a quoted log of a run (scripts/render_docs.py)"}
         out.append(Block(page, lang, start + 1, "\n".join(body), why["why"] if why else None))
         i += 1
     return out
