@@ -35,7 +35,6 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.torch_dtypes import PrecisionType  # noqa: E402
 
 from integration_tests.support.spread import bound  # noqa: E402
-from rollout_parity import CorrectionConfig  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.adapters.verl import precision as verl_precision  # noqa: E402
 from rollout_parity.core.precision import engine_dtype, torch_dtype  # noqa: E402

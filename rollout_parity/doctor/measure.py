@@ -6,7 +6,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
