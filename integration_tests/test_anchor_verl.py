@@ -3,7 +3,7 @@
 verl's real ``rollout_corr_helper`` runs on CPU on the same batch as the core; weights,
 masks and the shared metrics must agree to 1e-6 in fp32 (issue 2, item 7(c); issue 5).
 The batch is finite and has no empty row: on NaN/inf verl has no neutral handling and its
-per-sequence perplexities count empty rows, both intended differences (docs/verl.md).
+per-sequence perplexities count empty rows, both intended differences (docs/verl_own_correction.md).
 """
 
 from __future__ import annotations

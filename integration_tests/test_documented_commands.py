@@ -1,8 +1,9 @@
 """Every command the README and the framework pages print is run, and the flags in it are seen to act.
 
-The command blocks of README.md, docs/trl.md, docs/verl.md, docs/nemo_rl.md and docs/install.md, read from the
-pages (tests/docs_text.py), and the doctor's printed framework lines (its saved default run). Each command goes
-to the handler of its kind, which runs it as printed, on this CPU stack and small:
+The command blocks of README.md, docs/trl.md, docs/verl.md (and verl_ray.md), docs/nemo_rl.md (and
+nemo_rl_own_correction.md) and docs/install.md, read from the pages (tests/docs_text.py), and the doctor's
+printed framework lines (its saved default run). Each command goes to the handler of its kind, which runs it
+as printed, on this CPU stack and small:
 
 * ``rollout-parity launch ... (-m trl.scripts.grpo | script.py) ...``, ``python -m verl.trainer.main_ppo ...``,
   ``ray job submit ... -- python -m verl.trainer.main_ppo ...`` and ``accelerate launch -m
@@ -35,7 +36,8 @@ from rollout_parity.launcher import main as launch
 from rollout_parity.testing.stack import need
 from tests.docs_text import ROOT, blocks, commands
 
-PAGES = ("README.md", "docs/trl.md", "docs/verl.md", "docs/nemo_rl.md", "docs/install.md")
+PAGES = ("README.md", "docs/trl.md", "docs/verl.md", "docs/verl_ray.md", "docs/nemo_rl.md",
+         "docs/nemo_rl_own_correction.md", "docs/install.md")
 FIELDS = set(CorrectionConfig.__dataclass_fields__)
 #: Commands a handler here does not run, and the test that runs each (it must exist).
 RUN_ELSEWHERE = {

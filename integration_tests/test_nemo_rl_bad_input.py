@@ -156,7 +156,7 @@ def test_plain_is_at_log_ratio_25_is_nemos_own_weight_e25_or_the_shared_cap_e20(
     RL's numbers exactly: weight e^25 ≈ 7.2e10. The same setting in shared flags
     (``correction_from_nemo_rl``: ``token_truncate`` at C = e^20) caps it at e^20 ≈ 4.9e8: the
     core clamps every log-ratio to ±20 before exp (as verl's SAFETY_BOUND), so the loss is e^5 ≈
-    148x smaller on that token. Both are degenerate weights; docs/nemo_rl.md says why the cap
+    148x smaller on that token. Both are degenerate weights; docs/nemo_rl_nonfinite.md says why the cap
     stays."""
     keys = dict(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
     at_25 = lambda old: old - 25.0  # noqa: E731

@@ -108,7 +108,7 @@ def assert_same(theirs, ours, own_truncation_metric=True):
     torch.testing.assert_close(grad_o, grad_t, rtol=1e-5, atol=1e-7)
     for key, value in m_t.items():
         # NeMo RL's sampling_importance_ratio is its weight after ITS truncation, which is off while ours acts
-        # (docs/nemo_rl.md, "Metrics"): ours logs the raw ratio there.
+        # (docs/nemo_rl_metrics.md): ours logs the raw ratio there.
         if key == "sampling_importance_ratio" and own_truncation_metric:
             continue
         assert m_o[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key

@@ -9,7 +9,7 @@ device changed):
 * ``off``: ``RolloutParityLossFn`` with the shared flags all null: every test must end as with theirs;
 * ``ours``: NeMo RL's own importance-sampling keys carried out by our correction
   (``RolloutParityLossFn.from_nemo_is_config``): every test that passes with theirs must pass, except the
-  differences on purpose listed in :data:`ON_PURPOSE` (docs/nemo_rl.md, "What differs on purpose").
+  differences on purpose listed in :data:`ON_PURPOSE` (docs/nemo_rl_own_correction.md, "What differs on purpose").
 
 Tests that fail with NeMo RL's own class on this CPU machine (its distillation tests compare against values drawn from
 the CUDA generator) are no evidence either way and only reported.

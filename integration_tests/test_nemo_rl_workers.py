@@ -4,7 +4,7 @@ NeMo RL's ``Policy.train`` sends ``loss_fn`` to Ray actors (``lm_policy.py``); R
 with its ``cloudpickle``, which pickles ``RolloutParityLossFn`` *by reference* to
 ``rollout_parity.adapters.nemo_rl.handover``. A worker runs in NeMo RL's own ``uv`` environment
 (``PY_EXECUTABLES.AUTOMODEL``, ``MCORE``, ...; ``distributed/virtual_cluster.py``), which holds
-torch and NeMo RL but not rollout-parity unless the user adds it (docs/nemo_rl.md, "Workers").
+torch and NeMo RL but not rollout-parity unless the user adds it (docs/nemo_rl_workers.md).
 
 Each check runs in a fresh ``python -S`` process whose ``sys.path`` holds only the venv's
 site-packages (torch, pydantic, ...; no ``.pth`` file, so no editable install of ours) and NeMo RL's

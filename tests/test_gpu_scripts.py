@@ -1,7 +1,7 @@
 """The prepared GPU scripts run end to end on CPU, and the GPU check's comparison is as strict as it says.
 
-``scripts/gpu_check.py`` and ``scripts/gpu_head_pass_profile.py`` are what a lent GPU runs (docs/fp32_and_sampler.md,
-"On a GPU"); a script that breaks here would waste the GPU's few minutes.
+``scripts/gpu_check.py`` and ``scripts/gpu_head_pass_profile.py`` are what a lent GPU runs
+(docs/fp32_and_sampler_gpu.md, "On a GPU"); a script that breaks here would waste the GPU's few minutes.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ does not compile, or spills registers to local memory, fails here rather than on
 compiled generic and as a launch at V = 151,936 specialises it (Triton's ``tt.divisibility`` attributes, computed by
 Triton's own launcher code): the specialised binary is the one a GPU runs, and it is checked to be the one Triton's
 launch path compiles. The saved sweep over Triton releases (docs/data/cpu/kernel_compile.log, quoted in
-docs/fp32_and_sampler.md) is checked too.
+docs/fp32_and_sampler_kernels.md) is checked too.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def test_the_sweep_runs_the_script_under_each_triton_and_joins_the_logs(tmp_path
 def test_the_saved_sweep_compiled_every_variant_on_every_target_and_release():
     lines = _compile_lines(LOG.read_text())
     seen = sorted((_field(x, "triton"), _field(x, "target"), _field(x, "kernel"), _field(x, "spec")) for x in lines)
-    releases = {"3.3.1", "3.4.0", "3.5.1", "3.6.0", "3.9.0"}  # docs/fp32_and_sampler.md names these
+    releases = {"3.3.1", "3.4.0", "3.5.1", "3.6.0", "3.9.0"}  # docs/fp32_and_sampler_kernels.md names these
     assert seen == sorted((r, t, k, s) for r in releases for t in ("sm_80", "sm_90", "sm_100") for k in VARIANTS
                           for s in SPECS)
     assert all(x.endswith("ok=True") and "local=0" in x for x in lines)
@@ -237,5 +237,5 @@ def test_the_saved_sweep_compiled_every_variant_on_every_target_and_release():
     counting = [x for x in lines if _field(x, "kernel").startswith("kept_candidates+")
                 and _field(x, "kernel") != "kept_candidates+bound"]
     assert counting and all(_field(x, "pipelined") == "True" for x in counting)  # in every release and target
-    doc = (ROOT / "docs" / "fp32_and_sampler.md").read_text()
+    doc = (ROOT / "docs" / "fp32_and_sampler_kernels.md").read_text()
     assert "3.3.1, 3.4.0, 3.5.1, 3.6.0 and 3.9.0" in doc

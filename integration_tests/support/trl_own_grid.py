@@ -52,7 +52,7 @@ class TrlSetting:
 
     def our_flags(self) -> tuple[dict[str, Any], Optional[float]]:
         """The shared flags a user switching writes for this setting, and what stays in TRL's own
-        ``off_policy_mask_threshold`` (its 0, which the shared flag does not take: docs/trl.md)."""
+        ``off_policy_mask_threshold`` (its 0, which the shared flag does not take: docs/trl_own_correction.md)."""
         from rollout_parity.adapters.trl.refusals import trl_ratio_as_flags
 
         flags = trl_ratio_as_flags(self.mode, self.clip_max, self.clip_min)

@@ -1,7 +1,8 @@
 """verl's own ``algorithm.rollout_correction`` block with the same semantics as a ``CorrectionConfig``.
 
 Test support: the anchor tests run verl's own rollout-correction helper with this block beside
-the adapter, where verl can express the flags (docs/verl.md, "Where verl's own correction overlaps").
+the adapter, where verl can express the flags (docs/verl_own_correction.md, "Same numbers as verl where the
+modes overlap").
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from rollout_parity.core.config import CorrectionConfig
 def verl_equivalent(cfg: CorrectionConfig) -> dict[str, Any]:
     """verl's own ``algorithm.rollout_correction`` block with the same semantics as ``cfg``.
 
-    Exists where the modes overlap (docs/verl.md): token TIS without a lower clamp, IcePop
+    Exists where the modes overlap (docs/verl_own_correction.md): token TIS without a lower clamp, IcePop
     (``"lo_hi"``) for the mask modes, sequence ratios as a product, kept sequences weighted
     by ρ_seq, every rejection option. Raises ``ValueError`` naming the flag otherwise.
     """

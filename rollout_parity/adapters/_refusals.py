@@ -108,7 +108,7 @@ def refuse_replay(cfg: CorrectionConfig, sampler: SamplerSettings) -> None:
         raise ValueError(f"rollout_sampling_replay=True with top_k={sampler.top_k}: vLLM returns kept sets only for "
                          "requests with top_k > 0, which bounds each set's size; set a top_k of at most 2,048 (vLLM's "
                          "compact width; a larger one, the vocabulary size included, can send the whole vocabulary "
-                         "back per token: docs/fp32_and_sampler.md, 'Sampling replay')")
+                         "back per token: docs/fp32_and_sampler_replay.md, 'Sampling replay')")
 
 
 def refuse_out_of_process_cpu_worker(where: str, version: Optional[str] = None) -> None:

@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 ThresholdSpec = Union[float, str, Sequence[float]]
-#: Default of ``weight_sync_check_threshold`` (trimmed mean |delta logprob| on the sync probe); docs/moe.md, "The sync
-#: check", gives the healthy and broken levels it sits between.
+#: Default of ``weight_sync_check_threshold`` (trimmed mean |delta logprob| on the sync probe);
+#: docs/moe_sync_check.md, "The sync check", gives the healthy and broken levels it sits between.
 WEIGHT_SYNC_CHECK_THRESHOLD = 0.05
 #: Flags that take a list (a comma-separated string on a command line).
 LIST_FLAGS = ("rollout_rejection", "rollout_rejection_threshold")

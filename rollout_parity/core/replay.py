@@ -22,7 +22,7 @@ custom logits processors. The bound: vLLM sizes its compact per-token buffer by 
 top_k, at most 2,048 ids (``MAX_COMPACT_SUPPORT``, ``v1/worker/gpu/sample/output.py``); a wider set
 comes back through a vocabulary-size bitmask, as a list of every kept id. A top_k at the vocabulary
 size therefore bounds nothing: with a wide top-p each token's set can be the whole vocabulary.
-docs/fp32_and_sampler.md, "Sampling replay".
+docs/fp32_and_sampler_replay.md, "Sampling replay".
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ What is matched (vLLM 0.31.0, ``vllm/v1/sample/sampler.py``, ``ops/topk_topp_sam
      reproduced: off-tie edges agree up to the float noise the boundary rule absorbs, and at a
      top-p edge inside a tied group the kernel may keep the whole group (its tie match is done
      on logits recomputed through log/exp and can miss), a difference bounded by that group's
-     mass (docs/fp32_and_sampler.md, "Ties").
+     mass (docs/fp32_and_sampler_ties.md, "Ties").
    * ``"auto"`` (default): ``"triton"`` when the pass runs on a CUDA device, ``"pytorch"`` on CPU:
      in every framework adapted here the engine runs on the same kind of device as the trainer.
 
@@ -65,7 +65,8 @@ own membership (the usual case) that is exactly the engine's set; a token far ou
 Where the engine returns its exact kept set (``kept_sets=``, :mod:`rollout_parity.core.replay`)
 the trainer renormalises over exactly that set instead; a sampled token missing from the
 engine's own set is an engine failure and stays -inf (the core's maximal mismatch, counted in
-``nonfinite_frac``). docs/fp32_and_sampler.md, "The boundary rule" and "Sampling replay".
+``nonfinite_frac``). docs/fp32_and_sampler_logprobs.md, "The boundary rule"; docs/fp32_and_sampler_replay.md,
+"Sampling replay".
 """
 
 from __future__ import annotations

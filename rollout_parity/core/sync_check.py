@@ -8,7 +8,7 @@ returns its logprobs; the trainer scores the same tokens in one forward
 (:func:`trainer_probe_logprobs`, or the framework's own log-prob pass). :func:`judge` compares the
 trimmed mean |delta logprob| (the largest 1/16 of the gaps left out) with ``weight_sync_check_threshold``,
 set well above the parity level a healthy sync reaches and well below what a stale or corrupted one shows
-(docs/moe.md, "The sync check": the measured levels). Trimmed, because a healthy MoE sync can move one
+(docs/moe_sync_check.md, "The sync check": the measured levels). Trimmed, because a healthy MoE sync can move one
 token by nats (4.0 nats on one of 32 tokens in a real verl run, 0.136 untrimmed against 0.012 for the
 other 31; most likely the bf16 engine and the fp32 trainer routing it to different experts, not traced),
 while weights the sync left behind move every token. A failed check is a :class:`WeightSyncError` naming the parameter groups that

@@ -13,7 +13,7 @@ The shifted form is torch's own log-softmax order (``x - max - log sum``): formi
 low bits of ``log s`` when the logits are large (6e-6 at |logit| ~ 3,000). The torch path runs three passes over the
 chunk for the same result (the division, the in-place log-softmax, the entropy's exp); on an H200 at
 8,192 x 4,096 x 151,936 those passes were most of the plain head pass's time beside its GEMM
-(docs/fp32_and_sampler.md, "On a GPU").
+(docs/fp32_and_sampler_kernels.md, "Where the time goes").
 
 The exponentials and the logarithm are Triton's (``exp2``/``log2`` based): a logprob differs from torch's
 log-softmax of the same logits by float rounding (about 1e-6 at |logprob| ~ 10), far below the head's own

@@ -5,8 +5,8 @@ dict, writes the result into the channels NeMo RL's loss already reads (the IS w
 ``advantages``, the rejection and off-policy masks into ``token_mask``) and calls NeMo RL's loss,
 whose loss, KL term, clipping, metrics and ``metric_normalizations`` are NeMo RL's. Attributes
 NeMo RL reads off a loss (``loss_type``, ``input_type``, ``reference_policy_kl_penalty``,
-``use_fused_linear_logprobs``, ...) are the wrapped loss's. docs/nemo_rl.md, "The loss", says
-why these channels, and what differs from NeMo RL on non-finite input.
+``use_fused_linear_logprobs``, ...) are the wrapped loss's. docs/nemo_rl_loss.md, "The loss",
+says why these channels; docs/nemo_rl_nonfinite.md what differs from NeMo RL on non-finite input.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The vLLM parity recipe placed where NeMo RL reads it (``policy.generation``), and the check of
-``vllm_kwargs`` against the keywords NeMo RL passes to ``vllm.LLM`` itself. docs/nemo_rl.md,
+``vllm_kwargs`` against the keywords NeMo RL passes to ``vllm.LLM`` itself. docs/nemo_rl_vllm.md,
 "The vLLM recipe", says why each key sits where it does.
 """
 
@@ -12,7 +12,7 @@ from rollout_parity.adapters.nemo_rl.versions import NEMO_RL_VERSION
 __all__ = ["NEMO_RL_FIXED_LLM_KWARGS", "NEMO_RL_FP32_HEAD_REFUSAL", "nemo_rl_generation_config",
            "check_nemo_rl_vllm_kwargs"]
 
-#: Why ``fp32_lm_head`` is refused on NeMo RL (docs/nemo_rl.md, "The fp32 head").
+#: Why ``fp32_lm_head`` is refused on NeMo RL (docs/nemo_rl_vllm.md, "The fp32 head").
 NEMO_RL_FP32_HEAD_REFUSAL = (
     "fp32_lm_head=True cannot be served on NeMo RL: its trainer computes pi_old and pi_theta with the head in "
     "policy.precision (bf16 in its recipes), and NeMo RL has no setting that changes that for a causal LM. The "

@@ -88,7 +88,7 @@ def correction_from_nemo_rl(loss_cfg: Any) -> CorrectionConfig:
     ``truncated_importance_sampling_ratio_min`` and ``sequence_level_importance_ratios`` (GSPO) from a
     ``loss_fn`` block (dict, OmegaConf or NeMo RL's pydantic ``ClippedPGLossConfig``). Invalid
     combinations raise ``ValueError`` naming the key, where NeMo RL would assert. Plain IS (no type)
-    maps to a cap of e^20: the core clamps every log-ratio to ±20 (docs/nemo_rl.md, "Extreme values").
+    maps to a cap of e^20: the core clamps every log-ratio to ±20 (docs/nemo_rl_nonfinite.md, "extreme values").
 
     With ``sequence_level_importance_ratios`` NeMo RL weighs each sequence once, by
     ``exp(Σ_t (log π_old − log π_rollout))`` over its valid tokens, truncated (``tis``) or zeroed

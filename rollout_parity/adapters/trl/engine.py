@@ -4,7 +4,7 @@
 builds its colocated engine (:func:`colocated_engine_kwargs`: ``vllm_parity_kwargs`` merged over TRL's kwargs,
 each change logged; :func:`engine_options` reads its options from the flags);
 :func:`server_command` prints the ``trl vllm-serve`` line of the recipe; :func:`check_engine` reads
-the engine's resolved settings at ``apply`` and refuses raw logprobs. docs/trl.md, "Parity in TRL's vLLM".
+the engine's resolved settings at ``apply`` and refuses raw logprobs. docs/trl_vllm.md, "Parity in TRL's vLLM".
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def engine_options(cfg: CorrectionConfig) -> dict[str, Any]:
     ``moe_routing_replay`` asks vLLM for routed experts, which vLLM returns only with prefix caching on: the
     cache policy is then ``reset``. TRL resets its colocated engine's prefix cache after every weight sync
     (``VLLMGeneration.sync_weights``) and the adapter's sync wrapper checks that the reset took (``sync.py``),
-    so no prefix cached under old weights is served after an update (docs/moe.md, "Routing replay").
+    so no prefix cached under old weights is served after an update (docs/moe_routing_replay.md, "Routing replay").
     ``precision`` becomes the engine's ``dtype`` (``precision.py``).
     """
     return {"fp32_lm_head": cfg.fp32_lm_head, "prefix_cache_policy": "reset" if cfg.moe_routing_replay else "off",

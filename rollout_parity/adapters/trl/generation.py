@@ -7,7 +7,8 @@ loss-only ``tool_mask`` and ``num_items_in_batch`` (never ``completion_mask``, t
 and under bypass pi_rollout into ``old_per_token_logps``. With a truncating sampler a hook on TRL's
 pi_old forward measures log S from its hidden states (chunked fp32 head), so r_corr compares
 processed with processed; under ``rollout_sampling_replay`` over the kept sets the colocated engine
-returned with each token. docs/trl.md, "How it meets TRL's loss" and "Sampling replay".
+returned with each token. docs/trl_loss.md, "How it meets TRL's loss", and
+docs/trl_sampler.md, "Sampling replay".
 """
 
 from __future__ import annotations

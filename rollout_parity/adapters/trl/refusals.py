@@ -3,7 +3,7 @@
 :func:`refuse` reads TRL's own field names from either the ``GRPOConfig`` (``ParityGRPOTrainer``
 checks it before ``GRPOTrainer.__init__`` builds the model and the vLLM engine) or a built trainer
 (``apply`` on a plain ``GRPOTrainer``); the framework-independent rules are ``adapters/_refusals.py``.
-docs/trl.md, "Refused, by name".
+docs/trl_refusals.md, "Refused, by name".
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ TRL_RATIO_FIELDS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_c
 
 def trl_ratio_as_flags(mode: str, clip_max: Optional[float], clip_min: Optional[float]) -> dict[str, Any]:
     """The shared flags that give TRL's own ratio (``vllm_importance_sampling_mode`` / ``_clip_max`` / ``_clip_min``):
-    its weights and masks (docs/trl.md, "TRL's own correction, as our flags"). ``clip_max=None`` is an upper bound of
-    null (none)."""
+    its weights and masks (docs/trl_own_correction.md, "TRL's own correction, as our flags"). ``clip_max=None`` is
+    an upper bound of null (none)."""
     flags: dict[str, Any] = {"rollout_importance_sampling_mode": mode,
                              "rollout_importance_sampling_threshold": clip_max,
                              "rollout_importance_sampling_threshold_lower": clip_min}

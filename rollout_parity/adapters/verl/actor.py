@@ -16,7 +16,8 @@ forward (a forward hook that runs before FSDP's own), so that it reads
   slice, and the result is gathered and unpadded across the sequence-parallel group as verl
   gathers its own ``log_probs``.
 
-docs/verl.md, "Sampler-aware ratios" and "How it plugs in" (the fp32 lm_head).
+docs/verl_pi_old.md, "Sampler-aware ratios", and docs/verl_plugin.md, "How the adapter plugs in" (the fp32
+lm_head).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ active, :func:`driver_correction` takes its place: ``compute_correction`` from `
 ``rollout_log_probs``, the corrected ``response_mask`` and ``rollout_is_weights`` written for every
 verl loss to read, rejected tokens and rows kept out of the GRPO/RLOO baselines, and under bypass
 ``old_log_probs := pi_rollout`` for the loss. In verl 0.9's V1 trainer the worker outputs live in
-the TransferQueue: :func:`batch_in_flight` tells the hook which batch it is. docs/verl.md, "Where π_old
-comes from" and "Sampler-aware ratios".
+the TransferQueue: :func:`batch_in_flight` tells the hook which batch it is. docs/verl_pi_old.md,
+"Where π_old comes from" and "Sampler-aware ratios".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The driver validates the ``rollout_parity`` block (``config.py``) and makes it t
 two environment variables, written into this process and into the Ray job's ``runtime_env``
 before verl's ``run_ppo`` calls ``ray.init``, so every actor on every node reads the same flags.
 The wrappers read :func:`active_config` and pass straight through while it is None.
-docs/verl.md, "How it plugs in" and "On a Ray cluster".
+docs/verl_plugin.md, "How the adapter plugs in", and docs/verl_ray.md, "verl on a Ray cluster".
 """
 
 from __future__ import annotations

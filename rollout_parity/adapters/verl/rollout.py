@@ -8,7 +8,7 @@ rollout, a ``quantization_config_file``) is replaced whole by an ``hf_overrides`
 below take that dict out of the engine kwargs (verl's in-place hook on them, ``_preprocess_engine_kwargs``)
 and merge it into the dict ``_apply_quantization`` returns, which verl passes to vLLM. Every key of both
 sides is kept; a key both set to different values is a ``ValueError`` naming it. Both pass straight
-through in a process without flags. docs/verl.md, "How it plugs in".
+through in a process without flags. docs/verl_plugin.md, "How the adapter plugs in".
 """
 
 from __future__ import annotations

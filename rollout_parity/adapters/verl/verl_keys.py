@@ -15,7 +15,8 @@ calling conventions of verl's ``rollout_corr_helper`` entry points and answer th
 :func:`verl_metrics` is what the driver hook logs too: the core's numbers, named through
 ``core/metric_names.py``, plus verl's one convention the table does not carry (``rollout_corr/kl``, the signed k1
 estimate under verl's name). :func:`batch_normalized` is verl's ``rollout_is_batch_normalize`` (self-normalised
-IS). docs/verl.md, "verl's own keys" and "What differs on purpose".
+IS). docs/verl_own_correction.md, "verl's own keys" and
+"What differs on purpose".
 """
 
 from __future__ import annotations
