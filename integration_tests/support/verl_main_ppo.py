@@ -66,14 +66,18 @@ CPU_OVERRIDES = (
 )
 
 
+def questions(n: int) -> list[str]:
+    """The data set's first ``n`` user turns."""
+    words = ["red", "green", "blue", "cat", "dog", "tree", "river", "stone", "city", "road"]
+    return [f"what is {words[i % 10]} plus {words[(3 * i + 1) % 10]}?" for i in range(n)]
+
+
 def write_dataset(directory: Path, n_train: int = 8, n_val: int = 2) -> tuple[Path, Path]:
     """Chat prompts in verl's RLHF parquet layout (prompt, data_source, reward_model, extra_info)."""
     import pandas as pd
 
-    words = ["red", "green", "blue", "cat", "dog", "tree", "river", "stone", "city", "road"]
     rows = []
-    for i in range(n_train + n_val):
-        question = f"what is {words[i % 10]} plus {words[(3 * i + 1) % 10]}?"
+    for i, question in enumerate(questions(n_train + n_val)):
         rows.append({"data_source": "rollout_parity_tiny", "prompt": [{"role": "user", "content": question}],
                      "ability": "toy", "reward_model": {"style": "rule", "ground_truth": "none"},
                      "extra_info": {"index": i}})
