@@ -139,11 +139,14 @@ def test_replayed_trainer_logprobs_equal_vllms_on_every_token_including_the_boun
     assert bound("max |d| / floor's max", delta.max() / floor.max, "<", 10), (float(delta.max()), floor)
     assert bound("boundary tokens", boundary.sum(), ">=", 1), "no boundary token in this sample: nothing proved"
     assert torch.equal(boundary, _cat(scored, "ruled", "outside_mask"))  # 4-7 per seed
-    # ... replayed at parity: 3.4e-3-8.7e-3 nats at seeds 0-4, 38-108 floors, 3.2x under (a few tokens: in the
-    # floor's mean, as the floor's max is a tail over 8,192 tokens that four to seven do not reach); the same noise
-    # as any other token of a two-token nucleus, and far below the boundary rule's own |d| there (scored by the
-    # rule instead, seed 0 measures 4,000 floors)
-    assert bound("boundary max |d| / floor", delta[boundary].max() / floor.mean, "<", 350), (delta[boundary], floor)
+    # ... replayed at parity: in the same run, no further from vLLM than the other tokens' worst, the noise of any
+    # token of a two-token nucleus. Alone at seeds 0-4 0.04-0.12 of the others' largest (12x under); in a
+    # suite run 0.0315 (the engine's logits there are not those of the file alone), 382 floor means: a few tokens
+    # against a tail is a tail against a tail, not against the floor's mean. Scored by the boundary rule instead,
+    # seed 0 measures 0.34 nats, ~5x the others' largest.
+    others = delta[~boundary].max()
+    assert bound("boundary max |d| / the other tokens' max |d|", delta[boundary].max() / others, "<", 1.5), (
+        delta[boundary], float(others))
     # the boundary rule gets them finite too; replay is closer to vLLM (by 0.076-0.21 in mean |d| at seeds 0-4: a
     # difference of two gaps of the same run, the 1e-6 only breaks a tie)
     ruled = _cat(scored, "ruled", "processed")
