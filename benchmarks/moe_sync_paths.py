@@ -42,9 +42,9 @@ def main() -> None:
 
     from integration_tests.support.vllm_cpu_moe import cpu_moe_activation_fix, reads_packed_experts
     from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim, engine_model, make_llm, shutdown_llm
-    from rollout_parity.core.engine_moe import finish_moe_weight_load, fused_moe_layers, moe_layer_kind, \
+    from rollout_parity.engines.vllm.moe import finish_moe_weight_load, fused_moe_layers, moe_layer_kind, \
         vllm_reads_fused_experts
-    from rollout_parity.core.vllm_recipe import installed_vllm_version
+    from rollout_parity.engines.vllm.recipe import installed_vllm_version
     from rollout_parity.testing.tiny_moe import build_tiny_moe_model
     from vllm import SamplingParams
 

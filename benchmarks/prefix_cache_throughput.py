@@ -6,7 +6,7 @@ The recipe turns prefix caching off because a hit after a weight update can serv
 under the old weights (vllm#9744). That costs throughput exactly where RL reuses prefixes:
 GRPO samples each prompt ``n`` times, and prompts share a system prompt. The ``salt`` policy
 keeps the cache on and stamps every request with ``cache_salt`` = its weight version, so blocks
-never match across versions (``core/weight_update.py``). Three engines run side by side:
+never match across versions (``engines/vllm/weight_update.py``). Three engines run side by side:
 
     defaults   vllm.LLM(model): raw logprobs, prefix cache on, bf16 head, nothing guards updates
     off        the recipe: vllm_parity_kwargs(fp32_lm_head=True), prefix cache off
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace, threads: int | None) -> int:
     import vllm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
     from rollout_parity.grpo_rounds import (Config, grpo_prompt, run_rounds, shutdown, supports_reload_weights,
                                             throughput_summary, trainer_scores, warm_up, weight_versions)
     from rollout_parity.testing.tiny_model import build_trained_tiny_model

@@ -154,14 +154,14 @@ def main(argv=None) -> int:
             sets += [row.nonzero().squeeze(-1).tolist() for row in kept.cpu()]
     del w32, z, lp, kept
     t0 = time.perf_counter()
-    kept_sets = KeptSets.from_vllm([sets]).reshape(n)
+    kept_sets = KeptSets.from_lists([sets]).reshape(n)
     convert_s = time.perf_counter() - t0
     sizes = kept_sets.counts.float()
     print(f"top-p 0.9 rows settled by their top token alone: {stages['alone'] / n:.1%}, from the 32 largest: "
           f"{stages['32'] / n:.1%}, from 1024: {stages['1024'] / n:.1%}, from the ascending end: "
           f"{stages['ascending'] / n:.1%}, "
           f"by vLLM's sort: {stages['sorted'] / n:.1%}; replayed sets (top-k 50, top-p 0.9): mean {sizes.mean():.1f} "
-          f"ids, {(sizes == 1).float().mean():.0%} single-token; KeptSets.from_vllm of {n} lists: {convert_s:.2f} s")
+          f"ids, {(sizes == 1).float().mean():.0%} single-token; KeptSets.from_lists of {n} lists: {convert_s:.2f} s")
 
     chunk_kw = dict(chunk_size=c) if args.chunk is not None else dict(memory_budget=args.memory_budget)
 

@@ -246,7 +246,7 @@ def run_one(condition: str, seed: int, args: argparse.Namespace, model_path: str
         noise = None
         if condition != "parity" and args.sigma > 0:
             noise = _perturb_after_sync(trainer.vllm_generation, args.sigma, seed, fixed=args.noise == "fixed")
-        from rollout_parity.core.vllm_recipe import describe_engine
+        from rollout_parity.engines.vllm.recipe import describe_engine
 
         engine = {k: str(v) for k, v in describe_engine(trainer.vllm_generation.llm).items()}
         masked = _record_masked_sequences(trainer)

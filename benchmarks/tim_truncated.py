@@ -403,7 +403,7 @@ def run_one(condition: Condition, seed: int, args: argparse.Namespace, model_pat
         trainer = _build_trainer(condition, args, model_path, out_dir, seed, flags)
         built = time.perf_counter()
         noise = _perturb_after_sync(trainer.vllm_generation, condition.sigma, seed) if condition.sigma > 0 else None
-        from rollout_parity.core.vllm_recipe import describe_engine
+        from rollout_parity.engines.vllm.recipe import describe_engine
 
         engine = {k: str(v) for k, v in describe_engine(trainer.vllm_generation.llm).items()}
         trainer_side = trainer_dtypes(trainer)

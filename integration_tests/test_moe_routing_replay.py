@@ -139,8 +139,8 @@ def test_with_replay_the_trainer_routes_every_token_as_the_engine_did(hf):
 
     from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm
     from integration_tests.support.vllm_routes import RouteRecorder
-    from rollout_parity.core.vllm_features import installed_vllm_version, vllm_has
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.features import installed_vllm_version, vllm_has
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
     build = lambda: make_llm(build_tiny_moe_model(), dtype="bfloat16", gpu_memory_utilization=0.15,  # noqa: E731
                              **vllm_parity_kwargs(fp32_lm_head=True))

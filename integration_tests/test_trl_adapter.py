@@ -50,7 +50,7 @@ from integration_tests.support.trl_runs import (  # noqa: E402
     shifted_sampler,
 )
 from rollout_parity import CorrectionConfig  # noqa: E402
-from rollout_parity.adapters import _compat  # noqa: E402
+from rollout_parity import framework_api as _compat  # noqa: E402
 from rollout_parity.adapters import trl as trl_adapter  # noqa: E402
 from rollout_parity.adapters.trl import patches as trl_patches  # noqa: E402
 from rollout_parity.adapters.trl import (  # noqa: E402
@@ -59,7 +59,7 @@ from rollout_parity.adapters.trl import (  # noqa: E402
     ParityGRPOTrainer,
     server_command,
 )
-from rollout_parity.core.vllm_features import VllmKnobMissingError, installed_vllm_version, vllm_has  # noqa: E402
+from rollout_parity.engines.vllm.features import VllmKnobMissingError, installed_vllm_version, vllm_has  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]  # one colocated engine per module
@@ -191,7 +191,7 @@ def test_metrics_reach_trl_logs(run, floor):
 
 
 def test_engine_holds_the_parity_recipe(run):
-    from rollout_parity.core.vllm_recipe import describe_engine, verify_engine
+    from rollout_parity.engines.vllm.recipe import describe_engine, verify_engine
 
     trainer, _ = run
     llm = trainer.vllm_generation.llm
@@ -679,7 +679,7 @@ def test_parity_vllm_engine_builds_trls_llm_with_the_recipe(monkeypatch):
     from trl.generation import vllm_generation
 
     from rollout_parity.adapters.trl import parity_vllm_engine
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
     built = []
     fake = lambda *a, **kw: built.append(kw) or "engine"  # noqa: E731 - stands in for vllm.LLM

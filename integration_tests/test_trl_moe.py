@@ -319,7 +319,7 @@ def test_routing_replay_keeps_the_prefix_cache_on_and_never_serves_it_across_a_w
 
     from integration_tests.support.vllm_cpu_shim import cpu_weight_sync_shim, make_llm, shutdown_llm
     from integration_tests.support.vllm_routes import routed_llm_class
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
     args = grpo_args(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
                      vllm_max_model_length=256, max_steps=1, moe_routing_replay=True,

@@ -38,14 +38,14 @@ from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 
 from rollout_parity import CorrectionConfig, compute_correction, policy_loss  # noqa: E402
-from rollout_parity.adapters import _compat  # noqa: E402
+from rollout_parity import framework_api as _compat  # noqa: E402
 from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.adapters._patching import MARK, owner_and_name  # noqa: E402
 from rollout_parity.adapters.verl import actor, patches  # noqa: E402
 from rollout_parity.adapters.verl.compat import has_v1_trainer  # noqa: E402
 from rollout_parity.core.metric_names import verl_names  # noqa: E402
 from rollout_parity.core.sampler import SamplerSettings  # noqa: E402
-from rollout_parity.core.vllm_recipe import vllm_parity_kwargs  # noqa: E402
+from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs  # noqa: E402
 
 from rollout_parity.check.shared_batch import all_config_names, config_for, core_reference, load_expected, make_shared_batch  # noqa: E402
 from .support.verl_configs import BASE_OVERRIDES, compose_verl, flags  # noqa: E402,F401 (flags: a fixture)

@@ -138,7 +138,7 @@ def _native_head_dtype() -> bool:
     """Whether this vLLM's own config takes ``head_dtype``: the plugin's own test (where it does not, the plugin
     patches the head in the engine's processes from ``hf_config.head_dtype``)."""
     from rollout_parity.adapters.vllm.plugin import needs_fp32_head_patch
-    from rollout_parity.core.vllm_features import installed_vllm_version
+    from rollout_parity.engines.vllm.features import installed_vllm_version
 
     return not needs_fp32_head_patch(installed_vllm_version())
 

@@ -121,7 +121,7 @@ def test_the_flag_writes_every_dtype_key_verls_fsdp_run_reads_and_verls_classes_
     rollout = omega_conf_to_dataclass(ar.rollout)
     assert rollout.dtype == engine_dtype(precision) == rollout.engine_kwargs["vllm"]["dtype"]
     # the recipe's engine kwargs are the core recipe with the same dtype, nothing else changed
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
     assert OmegaConf.to_container(ar.rollout.engine_kwargs.vllm) == vllm_parity_kwargs(precision=precision)
     # verl's own start-of-run check passes on the rewrite

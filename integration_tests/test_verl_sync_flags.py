@@ -53,7 +53,7 @@ def test_the_sync_points_are_patched_where_verl_defines_them():
 
     import verl.workers.engine_workers as workers
 
-    from rollout_parity.adapters._compat import missing_names
+    from rollout_parity.framework_api import missing_names
 
     points = {p.dotted: p for p in patches.PATCH_POINTS}
     # what the check wraps is a patch point; what it calls (to bring an offloaded actor back) exists in this verl

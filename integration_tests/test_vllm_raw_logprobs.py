@@ -27,7 +27,7 @@ from integration_tests.support.spread import bound  # noqa: E402
 from integration_tests.support.trainer_ref import completion_logits, load_hf, vllm_token_logprobs  # noqa: E402
 from integration_tests.support.vllm_cpu_shim import make_llm, shutdown_llm  # noqa: E402
 from rollout_parity import sampler_logprobs, verify_engine  # noqa: E402
-from rollout_parity.core.vllm_recipe import EngineParityError, describe_engine  # noqa: E402
+from rollout_parity.engines.vllm.recipe import EngineParityError, describe_engine  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
 # The margins beside the bounds between engines: three engine seeds (0, the suite's, 1 and 2),

@@ -121,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_check(sub: Any) -> None:
-    frameworks = "core, trl, verl, nemo_rl, vllm"
+    from rollout_parity import registry
+
+    frameworks = ", ".join(("core", *registry.keys()))
     c = sub.add_parser(
         "check", allow_abbrev=False,
         help="run the cross-framework tests against the frameworks installed here",

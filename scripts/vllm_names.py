@@ -4,7 +4,7 @@
     python scripts/vllm_names.py /path/to/vllm/checkout [--version 0.33.0]
     python scripts/vllm_names.py                     # the installed vLLM (imported)
 
-The table and both readers are ``rollout_parity/adapters/_vllm_names.py``; exit 1 on a missing name.
+The table and both readers are ``rollout_parity/engines/vllm/names.py``; exit 1 on a missing name.
 """
 
 import sys
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_parity.adapters._vllm_names import main  # noqa: E402
+from rollout_parity.engines.vllm.names import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,7 @@ from rollout_parity import CorrectionConfig
 from rollout_parity.core.config import FlagError, flag_from_text
 from rollout_parity.core.precision import FP16_MAX, PRECISIONS, engine_dtype, normalize_precision, \
     precision_of_dtype, torch_dtype
-from rollout_parity.core.vllm_recipe import vllm_parity_kwargs, vllm_serve_flags
+from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs, vllm_serve_flags
 
 
 @pytest.mark.parametrize("text, expected", [

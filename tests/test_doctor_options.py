@@ -250,7 +250,7 @@ def test_every_row_takes_its_own_path(model_path, stand_in_engines):
     """All nine rows (the default): each row's engine settings, trainer head and trainer view are its
     own. The stand-in engines return the same rollouts for every configuration, so rows differ only
     by what the doctor does on the trainer's side; the engine side is in the report's kwargs."""
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
     report = run_doctor(DoctorOptions(model=model_path, progress=False, steps=2, num_prompts=1, samples=2,
                                       max_tokens=4, sentences=2))

@@ -61,7 +61,7 @@ SAMPLING = {"temperature": {"temperature": 0.7},
 RESOLVE = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
-from rollout_parity.core.vllm_recipe import describe_engine
+from rollout_parity.engines.vllm.recipe import describe_engine
 model, kwargs_list = sys.argv[1], json.loads(sys.argv[2])
 print(json.dumps([describe_engine(EngineArgs(model=model, **kw).create_engine_config()) for kw in kwargs_list]))
 """
@@ -89,7 +89,7 @@ def sampled():
         return {}
 
     from rollout_parity import grpo_rounds
-    from rollout_parity.core import vllm_recipe
+    from rollout_parity.engines.vllm import recipe as vllm_recipe
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(grpo_rounds, "warm_up", lambda *a, **k: None)

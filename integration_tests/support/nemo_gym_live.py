@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from .processes import free_port, stop
-from rollout_parity.core.vllm_features import cpu_threads_bind
+from rollout_parity.engines.vllm.features import cpu_threads_bind
 
 REPO = Path(__file__).resolve().parents[2]
 GYM_SERVER = Path(__file__).with_name("nemo_gym_server.py")
@@ -100,7 +100,7 @@ def vllm_server(model: str, log_dir: Path) -> Iterator[str]:
     (``vllm_serve_flags()``: processed logprobs, no prefix caching, no async scheduling),
     fp32, the model's own generation config ignored (plain temperature-1 sampling); yields
     the base URL (``.../v1``)."""
-    from rollout_parity.core.vllm_recipe import vllm_serve_flags
+    from rollout_parity.engines.vllm.recipe import vllm_serve_flags
 
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,

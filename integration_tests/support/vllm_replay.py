@@ -5,7 +5,7 @@ does not start on CPU. This records, in process, the kept set of every token vll
 sampler draws (the finite entries of the processed logprobs it returns with the sample: the very
 row the token was drawn from) and puts them on each ``CompletionOutput`` as a
 ``vllm.outputs.SamplingMask``, the field Model Runner V2 fills. Code that reads
-``CompletionOutput.sampling_mask`` (``KeptSets.from_vllm``, the TRL adapter) then runs unchanged.
+``CompletionOutput.sampling_mask`` (``engines.vllm.outputs.kept_sets``, the TRL adapter) then runs unchanged.
 
 How rows meet requests: ``GPUModelRunner._sample`` (the CPU runner inherits it) samples one row per
 scheduled request in ``input_batch.req_ids`` order; a request still in chunked prefill also gets a

@@ -47,7 +47,7 @@ def _skip_where_the_hook_is_elsewhere() -> None:
     modular kernel, 0.32's routing sink), a named skip; on that release it is a failure, raised by the caller."""
     import pytest
 
-    from rollout_parity.core.vllm_features import installed_vllm_version, parse_vllm_version
+    from rollout_parity.engines.vllm.features import installed_vllm_version, parse_vllm_version
 
     version = installed_vllm_version()
     if parse_vllm_version(version)[:2] != HOOK_RELEASE:

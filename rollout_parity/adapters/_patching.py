@@ -29,7 +29,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from rollout_parity.adapters._compat import FrameworkAPIError, check_framework, installed_version
+from rollout_parity.framework_api import FrameworkAPIError, check_framework, installed_version
 
 __all__ = ["MARK", "is_ours", "mark", "wrapper", "Patches", "patched", "PatchPoint", "ModulePatcher"]
 

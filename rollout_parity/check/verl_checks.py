@@ -23,7 +23,7 @@ from rollout_parity.check.report import Check, FrameworkReport, corrupt
 from rollout_parity.check.shared_batch import all_config_names, config_for, load_expected, make_shared_batch
 from rollout_parity.core.metric_names import verl_names
 
-__all__ = ["VERL_CHECKS", "VERL_OWN", "BASE_OVERRIDES", "compose_verl", "actor_config", "run_verl_checks"]
+__all__ = ["VERL_CHECKS", "VERL_OWN", "BASE_OVERRIDES", "compose_verl", "actor_config", "run_verl_checks", "run"]
 
 #: name -> what it compares; each takes the self-test knob (report.CORRUPT_ENV).
 VERL_CHECKS = {
@@ -186,3 +186,8 @@ def _check_native(check, helper, adapter) -> None:
                                          {**_VERL_DEFAULTS, **block})
         check.close(name, "response_mask", ours_mask, their_mask.to(ours_mask.dtype), atol=0.0)
         check.close(name, "rollout_is_weights", corrupt("verl/native", ours_w, ours_mask), their_w, rtol=1e-6)
+
+
+def run(report: FrameworkReport, opts: Any, tick: Callable[[], None]) -> None:
+    """``rollout-parity check``'s entry for verl (``registry.py``)."""
+    run_verl_checks(report, tick)

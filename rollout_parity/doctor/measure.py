@@ -181,7 +181,7 @@ def _sample(vllm: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[st
     """
     from tqdm.auto import tqdm
 
-    from rollout_parity.core.vllm_recipe import describe_engine, verify_engine
+    from rollout_parity.engines.vllm.recipe import describe_engine, verify_engine
     from rollout_parity.grpo_rounds import Config, run_rounds, shutdown, warm_up
 
     config_names = list(dict.fromkeys(s.config for s in specs))

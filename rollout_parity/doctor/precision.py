@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional
 
-from rollout_parity.adapters._fp16_models import FLOAT16_REFUSED_FALLBACK, float16_refusals, model_type_of
+from rollout_parity.engines.vllm.fp16_models import FLOAT16_REFUSED_FALLBACK, float16_refusals, model_type_of
 from rollout_parity.core.precision import FP16_MAX
 
 __all__ = ["FP16_MAX", "SHARE_DIVISOR", "COMFORT_DIVISOR", "FLOAT16_REFUSED_FALLBACK", "float16_refusals",

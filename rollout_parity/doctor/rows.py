@@ -75,7 +75,7 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
 
 
 def engine_kwargs(key: str) -> dict[str, Any]:
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
     if key == "defaults":
         return {}

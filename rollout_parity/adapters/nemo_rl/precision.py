@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping, Optional
 
-from rollout_parity.adapters._fp16_models import refuse_fp16_model
+from rollout_parity.engines.vllm.fp16_models import refuse_fp16_model
 from rollout_parity.adapters.nemo_rl.translate import BLOCK_KEY, carries_block, split_loss_config
 from rollout_parity.core.config import FlagError
 from rollout_parity.core.precision import engine_dtype, precision_of_dtype

@@ -57,7 +57,7 @@ def nemo_rl_generation_config(fp32_lm_head: bool = False, prefix_cache_policy: s
     itself, so the recipe's ``dtype`` goes there, never into ``vllm_kwargs``. With the flag in the recipe's
     ``loss_fn.rollout_correction`` the hook writes the same two keys at ``grpo.setup()`` (``precision.py``).
     """
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
     if fp32_lm_head:
         raise ValueError(NEMO_RL_FP32_HEAD_REFUSAL)

@@ -1,7 +1,7 @@
 """The NeMo RL sources the adapter was run against, and the one place it imports NeMo RL's loss.
 
 NeMo RL is optional: ``nemo_loss_names()`` raises an ImportError naming the extra when it is
-missing, and checks the names the adapter reads (``_compat.check_framework``) when it is there.
+missing, and checks the names the adapter reads (``framework_api.check_framework``) when it is there.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ def _importable() -> bool:
 
 def nemo_loss_names() -> SimpleNamespace:
     """NeMo RL's ``ClippedPGLossFn``, ``ClippedPGLossConfig`` and ``MetricNormalizer`` (None
-    before NeMo RL main), after the version and private-name check (adapters/_compat.py)."""
+    before NeMo RL main), after the version and private-name check (framework_api.py)."""
     if not _importable():
         raise ImportError(
             "rollout_parity.adapters.nemo_rl needs NeMo RL >= 0.6 (nemo_rl.algorithms.loss): "
             "install NeMo RL, and pip install rollout-parity[nemo-rl]")
-    from rollout_parity.adapters._compat import check_framework
+    from rollout_parity.framework_api import check_framework
 
     check_framework("NeMo RL", distributions=DISTRIBUTIONS, tested=TESTED_RANGE, extra="nemo-rl",
                     required=_REQUIRED)

@@ -46,7 +46,7 @@ def colocated_engine_kwargs(trl_kwargs: Mapping[str, Any], fp32_lm_head: bool = 
     over them (``vllm_parity_kwargs``; the recipe wins, ``hf_overrides`` merge). With ``return_routed_experts``
     also vLLM's ``enable_return_routed_experts`` (which needs ``prefix_cache_policy`` other than ``off``); with
     ``precision`` the engine's ``dtype`` (TRL passes none: vLLM's ``auto``, the checkpoint's)."""
-    from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+    from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
     recipe = vllm_parity_kwargs(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
                                 sampling_replay=sampling_replay, routed_experts=return_routed_experts,
@@ -68,7 +68,7 @@ def parity_vllm_engine(fp32_lm_head: bool = False, prefix_cache_policy: str = "o
     """
     from trl.generation import vllm_generation
 
-    from rollout_parity.adapters._vllm_names import check_vllm_names
+    from rollout_parity.engines.vllm.names import check_vllm_names
 
     options = dict(fp32_lm_head=fp32_lm_head, prefix_cache_policy=prefix_cache_policy,
                    return_routed_experts=return_routed_experts, sampling_replay=sampling_replay, precision=precision)
@@ -96,7 +96,7 @@ def server_command(model: str, fp32_lm_head: bool = False, prefix_cache_policy: 
     """The ``trl vllm-serve`` command that serves ``model`` with the parity recipe (TRL forwards
     what it does not know to ``vllm serve``; it adds ``--logprobs-mode processed_logprobs`` itself).
     ``precision``: ``--dtype`` (TRL's own option, handed to ``vllm serve``)."""
-    from rollout_parity.core.vllm_recipe import vllm_serve_flags
+    from rollout_parity.engines.vllm.recipe import vllm_serve_flags
 
     flags = vllm_serve_flags(fp32_lm_head, prefix_cache_policy, style="trl", precision=precision)
     return shlex.join(["trl", "vllm-serve", "--model", str(model), *flags, *(extra_args or [])])
@@ -127,7 +127,7 @@ def check_engine(trainer: Any, cfg: CorrectionConfig) -> Optional[dict[str, bool
         if mode == "server":
             checks, dtype = _server_checks(generation, cfg)
         else:
-            from rollout_parity.core.vllm_recipe import verify_engine
+            from rollout_parity.engines.vllm.recipe import verify_engine
 
             checks = verify_engine(generation.llm, fp32_lm_head=cfg.fp32_lm_head,
                                    prefix_cache_policy=engine_options(cfg)["prefix_cache_policy"])

@@ -19,15 +19,15 @@ from typing import Any, Iterator
 
 import torch
 
-from rollout_parity.adapters._compat import FrameworkAPIError
+from rollout_parity.framework_api import FrameworkAPIError
 from rollout_parity.adapters.trl.refusals import MissingRolloutLogprobsError, refuse_trainer
 from rollout_parity.adapters._refusals import describe_flags
 from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.distributed import all_reduce, masked_summary
 from rollout_parity.core.metric_names import trl_names
 from rollout_parity.core.ratios import check_shapes
-from rollout_parity.core.replay import KeptSets
 from rollout_parity.core.sampler import kept_mass_metrics, rollout_on_full_vocabulary, sampler_logprobs_from_hidden
+from rollout_parity.engines.vllm.outputs import kept_sets as vllm_kept_sets
 
 __all__ = ["KEY", "ORIGINAL", "TRL_SAMPLING_METRICS", "THETA_METRICS", "checked_generate", "observed_forward",
            "corrected_generation", "process_group"]
@@ -118,8 +118,8 @@ def _kept_mass_hook(trainer: Any, model: Any, logits_to_keep: int, state: Any) -
     def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         ids = (kwargs["input_ids"] if "input_ids" in kwargs else args[0])[:, -logits_to_keep:]
         first = sum(part[0].shape[0] for part in state.kept_mass)  # TRL scores the batch's rows in order
-        kept_sets = None if masks is None else KeptSets.from_vllm(masks[first:first + ids.shape[0]],
-                                                                  width=logits_to_keep)
+        kept_sets = None if masks is None else vllm_kept_sets(masks[first:first + ids.shape[0]],
+                                                              width=logits_to_keep)
         with maybe_gather_lm_head_ctx(head.weight, head.bias):
             weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight  # FSDP2
             lp = sampler_logprobs_from_hidden(output.last_hidden_state[:, -logits_to_keep - 1:-1], weight, ids,

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 
 from trl import GRPOTrainer
 
-from rollout_parity.adapters._compat import FrameworkAPIError, check_framework
+from rollout_parity.framework_api import FrameworkAPIError, check_framework
 from rollout_parity.adapters._patching import Patches, is_ours
 from rollout_parity.adapters._refusals import describe_flags, needs_rollout_logprobs
 from rollout_parity.adapters.trl.config import as_correction_config

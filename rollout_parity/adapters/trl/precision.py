@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from rollout_parity.adapters._fp16_models import refuse_fp16_model
+from rollout_parity.engines.vllm.fp16_models import refuse_fp16_model
 from rollout_parity.core.config import FlagError
 from rollout_parity.core.precision import engine_dtype, precision_of_dtype
 

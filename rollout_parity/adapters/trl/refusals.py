@@ -13,11 +13,11 @@ from typing import Any, Optional
 from trl import GRPOConfig
 
 from rollout_parity.adapters._refusals import active_penalties, describe_flags, head_modifiers, \
-    needs_rollout_logprobs, refuse_missing_vllm_features, refuse_out_of_process_cpu_worker, \
-    refuse_unmatched_sampler
+    needs_rollout_logprobs, refuse_unmatched_sampler
 from rollout_parity.adapters.trl.routing import refuse_routing_replay
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.sampler import SamplerSettings
+from rollout_parity.engines.vllm.refusals import refuse_missing_vllm_features, refuse_out_of_process_cpu_worker
 
 __all__ = ["MissingRolloutLogprobsError", "TRL_RATIO_FIELDS", "trl_ratio_as_flags", "sampling_settings",
            "refuse_without_vllm", "refuse", "refuse_trainer"]

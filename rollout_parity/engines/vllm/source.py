@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 from typing import Optional
 
-from rollout_parity.core.vllm_features import parse_vllm_version
+from rollout_parity.engines.vllm.features import parse_vllm_version
 
 __all__ = ["Source", "self_assigned", "ast_params", "tree_version"]
 
@@ -63,8 +63,11 @@ class Source:
             self._trees[module] = ast.parse(text) if text is not None else None
         return self._trees[module]
 
-    def find(self, module: str, name: str, depth: int = 0) -> Optional[tuple[str, ast.AST]]:
+    def find(self, module: str, name: str) -> Optional[tuple[str, ast.AST]]:
         """The ``(module, node)`` defining top-level ``name`` as seen from ``module``."""
+        return self._find(module, name, 0)
+
+    def _find(self, module: str, name: str, depth: int) -> Optional[tuple[str, ast.AST]]:
         tree = self.tree(module)
         if tree is None or depth > 8:
             return None
@@ -80,7 +83,7 @@ class Source:
                 for alias in node.names:
                     if (alias.asname or alias.name) == name:
                         src = self._absolute(module, node)
-                        hit = self.find(src, alias.name, depth + 1)
+                        hit = self._find(src, alias.name, depth + 1)
                         if hit is None and self.tree(f"{src}.{alias.name}") is not None:
                             return f"{src}.{alias.name}", self.tree(f"{src}.{alias.name}")  # a submodule
                         if hit is not None:
@@ -92,7 +95,7 @@ class Source:
                             and isinstance(value.value, str) and ":" in value.value:
                         target, attr = value.value.split(":")
                         target = module + target if target.startswith(".") else target
-                        return self.find(target, attr, depth + 1)
+                        return self._find(target, attr, depth + 1)
         return None
 
     def _absolute(self, module: str, node: ast.ImportFrom) -> str:
@@ -104,8 +107,11 @@ class Source:
         base = base[: len(base) - (node.level - 1)]
         return ".".join(base + ([node.module] if node.module else []))
 
-    def member(self, module: str, cls: ast.ClassDef, name: str, depth: int = 0) -> Optional[ast.AST]:
+    def member(self, module: str, cls: ast.ClassDef, name: str) -> Optional[ast.AST]:
         """``name`` in a class body, as ``self.name = ...`` in its methods, or in a base class (followed)."""
+        return self._member(module, cls, name, 0)
+
+    def _member(self, module: str, cls: ast.ClassDef, name: str, depth: int) -> Optional[ast.AST]:
         for node in cls.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
                 return node
@@ -122,7 +128,7 @@ class Source:
                 else None
             hit = self.find(module, base_name) if base_name else None
             if hit is not None and isinstance(hit[1], ast.ClassDef):
-                found = self.member(hit[0], hit[1], name, depth + 1)
+                found = self._member(hit[0], hit[1], name, depth + 1)
                 if found is not None:
                     return found
         return None

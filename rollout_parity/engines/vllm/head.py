@@ -27,7 +27,7 @@ import inspect
 import os
 from typing import Any, Optional
 
-from .vllm_features import VLLM_FEATURES
+from .features import VLLM_FEATURES
 
 __all__ = [
     "HEAD_REPORT_RPC",
@@ -48,7 +48,7 @@ PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "rollout_parity"
 #: The first vLLM whose ``LogitsProcessor`` honours ``head_dtype`` for generation models (read in
 #: the sources: 0.25.1 falls back to the model dtype with a warning, 0.26.0 adds ``_apply_head``);
-#: the release table ``core/vllm_features.py`` holds it.
+#: the release table ``engines/vllm/features.py`` holds it.
 FIRST_NATIVE_HEAD_DTYPE = VLLM_FEATURES["head_dtype"].since
 _FLOAT32_NAMES = ("float32", "fp32", "float", "torch.float32")
 _RPC_TIMEOUT_S = 300
