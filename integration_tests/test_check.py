@@ -27,7 +27,7 @@ from rollout_parity.check.report import FrameworkReport, format_table
 from rollout_parity.testing.stack import need, need_vllm_feature
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCKED = ("trl", "verl", "vllm", "nemo_rl")
+BLOCKED = ("trl", "verl", "vllm", "nemo_rl", "sglang")
 
 
 def command(*args: str, block: tuple[str, ...] = (), env: dict | None = None, timeout: int = 600):
@@ -59,8 +59,9 @@ def test_the_command_passes_on_this_stack(tmp_path):
 
     skip_unless_available(("head",))
     out = tmp_path / "check.json"
+    # --engine vllm: this stack's engine (SGLang runs in its own venv: test_sglang_engine.py)
     proc = command("--nemo-rl-source", str(anchor_root() / "head"), "--require", "core,trl,verl,nemo_rl,vllm",
-                   "--json", str(out), "--no-progress")
+                   "--engine", "vllm", "--json", str(out), "--no-progress")
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -245,16 +246,16 @@ def test_frameworks_not_installed_are_named_skips_and_the_core_still_runs():
     data = json.loads(proc.stdout)
     reports = by_key(data["frameworks"])
     assert data["ok"] and reports["core"]["status"] == "ran" and reports["core"]["checks"]
-    for key, extra in (("trl", "trl"), ("verl", "verl"), ("vllm", "vllm")):
+    for key, extra in (("trl", "trl"), ("verl", "verl"), ("vllm", "vllm"), ("sglang", "sglang")):
         assert reports[key]["status"] == "skipped" and reports[key]["checks"] == []
         assert f"pip install 'rollout-parity[{extra}]'" in reports[key]["reason"]
     assert reports["nemo_rl"]["status"] == "skipped" and "--nemo_rl_source" in reports["nemo_rl"]["reason"]
 
     table = command("--no-progress", block=BLOCKED, timeout=300)
     assert table.returncode == 0
-    for name in ("TRL", "verl", "NeMo RL", "vLLM"):
+    for name in ("TRL", "verl", "NeMo RL", "vLLM", "SGLang"):
         assert any(line.startswith(name) and "SKIP: " in line for line in table.stdout.splitlines()), name
-    assert "skipped (not run, not passed): TRL, verl, NeMo RL, vLLM" in table.stdout
+    assert "skipped (not run, not passed): TRL, verl, NeMo RL, vLLM, SGLang" in table.stdout
 
 
 def test_require_turns_a_skip_into_a_failure_and_a_corrupted_core_check_exits_1():

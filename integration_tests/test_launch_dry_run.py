@@ -119,6 +119,22 @@ def test_verl_dry_run_never_starts_ray_and_refuses_with_the_adapters_line(monkey
     assert "+rollout_parity.preset=tis_srs_k3 +rollout_parity.fp32_lm_head=true" in err
 
 
+@pytest.mark.verl
+def test_verl_dry_run_of_an_sglang_rollout_prints_sglangs_recipe(monkeypatch, capsys, tmp_path):
+    from rollout_parity.testing.stack import need
+
+    need("verl", extra="verl")
+    from rollout_parity.engines.sglang.recipe import sglang_parity_kwargs
+
+    monkeypatch.chdir(tmp_path)
+    overrides = ["actor_rollout_ref.rollout.name=sglang", "+rollout_parity.fp32_lm_head=true",
+                 "+rollout_parity.rollout_importance_sampling_mode=token_truncate"]
+    assert launch(["--dry-run", "-m", VERL_MAIN, *overrides]) == 0
+    report = _sections(capsys.readouterr().out)
+    assert "vLLM engine kwargs" not in report
+    assert _json_items(report["SGLang engine kwargs"]) == sglang_parity_kwargs(fp32_lm_head=True)
+
+
 @pytest.mark.trl
 def test_trl_dry_run_stops_before_model_and_dataset(tmp_path):
     from rollout_parity.testing.stack import need

@@ -24,13 +24,10 @@ The splice is checked here against what the engine actually saw and sampled.
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from integration_tests.support.floors import Floor, gaps, spacing
 from integration_tests.support.nemo_gym_live import (
-    REPO,
     SERVED_NAME,
     build_eos_model,
     http_json,
@@ -40,7 +37,8 @@ from integration_tests.support.nemo_gym_live import (
 )
 from rollout_parity.core.token_ids import carry_token_ids, spliced_prompt_token_ids, validate_request
 from integration_tests.support.spread import bound
-from rollout_parity.testing.stack import missing, need
+from integration_tests.support.venvs import venv_python
+from rollout_parity.testing.stack import need
 
 # The first run builds the NeMo Gym venv (~7 min) inside the session fixture: more than the
 # suite's 900 s per-test timeout allows once a vLLM server start is added on a busy machine.
@@ -59,12 +57,7 @@ USER_TURNS = ["what is two plus three?", "and times four?", "check it step by st
 @pytest.fixture(scope="session")
 def gym_python() -> str:
     """The NeMo Gym venv's Python, built on first use (scripts/nemo_gym_venv.sh, stamped)."""
-    script = REPO / "scripts" / "nemo_gym_venv.sh"
-    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        missing("NeMo Gym venv (nemo-gym 0.4.0 on Python 3.12)",
-                f"{script} exited {proc.returncode}: {proc.stderr.strip()[-1500:]}")
-    return proc.stdout.strip().splitlines()[-1]
+    return venv_python("nemo_gym_venv.sh", "NeMo Gym venv (nemo-gym 0.4.0 on Python 3.12)")
 
 
 @pytest.fixture(scope="module")

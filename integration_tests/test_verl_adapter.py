@@ -469,9 +469,9 @@ def test_verl_08s_main_ppo_sync_refuses_bypass_with_rejection_at_start(tmp_path)
     (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.model.use_fused_kernels=true"], "use_fused_kernels"),
     (["+rollout_parity.fp32_lm_head=true", "actor_rollout_ref.actor.strategy=megatron"], "strategy"),
     (["actor_rollout_ref.rollout.top_k=20", "++trainer.use_v1=false"], "use_v1"),
-    # the vLLM recipe and the sampler-aware pi_old have no SGLang form: not "sampler-aware" under vLLM's kwargs
-    (["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.top_p=0.9"], "rollout.name='sglang'"),
-    (["actor_rollout_ref.rollout.name=sglang"], "needs vLLM as the rollout"),
+    # an engine with no recipe of ours (SGLang's: test_verl_sglang.py)
+    (["actor_rollout_ref.rollout.name=trtllm"], r"rollout\.name='trtllm': .* writes the parity recipe of vllm, "
+                                               "sglang only"),
     (["actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"], r"rollout\.logprobs_mode='raw_logprobs' contradicts"),
 ])
 def test_what_cannot_be_expressed_fails_at_start_naming_it(overrides, flag):

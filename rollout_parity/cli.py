@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any, Iterator
 
-from rollout_parity import quiet
+from rollout_parity import quiet, registry
 from rollout_parity._argv import add_switch, normalise_switches, spellings
 from rollout_parity.doctor import DoctorOptions
 from rollout_parity.doctor.rows import ROW_SPECS
@@ -121,8 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_check(sub: Any) -> None:
-    from rollout_parity import registry
-
     frameworks = ", ".join(("core", *registry.keys()))
     c = sub.add_parser(
         "check", allow_abbrev=False,
@@ -144,15 +142,18 @@ def _add_check(sub: Any) -> None:
     _option(c, "nemo_rl_source", default=None,
             help="a NeMo RL source tree (holding nemo_rl/) to import, when NeMo RL is not installed")
     _option(c, "model", default=None,
-            help="HF model directory for the vLLM probe (default: a tiny model built locally)")
+            help="HF model directory for the engines' probes (default: a tiny model built locally)")
+    engines = ", ".join(registry.keys("engine"))
+    _option(c, "engine", default=None,
+            help=f"comma-separated rollout engines to probe (of {engines}; default: every one installed here)")
     _option(c, "only", default=None, help=f"comma-separated frameworks to check (of {frameworks})")
     _option(c, "skip", default=None, help="comma-separated frameworks not to check (e.g. vllm)")
     _option(c, "require", default=None,
             help="comma-separated frameworks whose absence fails the command instead of a skip")
     _option(c, "max_delta", type=float, default=None,
-            help="vLLM probe: largest mean |trainer - engine| logprob accepted (default 4e-3)")
+            help="engine probes: largest mean |trainer - engine| logprob accepted (default 4e-3)")
     _option(c, "gpu_memory_utilization", type=float, default=0.3,
-            help="vLLM probe: the engine's memory share on a GPU (default 0.3)")
+            help="engine probes: the engine's memory share on a GPU (default 0.3)")
     add_switch(c, "no_progress", help="no progress bar")
     add_switch(c, "verbose", help=_VERBOSE_HELP)
 
@@ -183,6 +184,14 @@ def _check(args: argparse.Namespace) -> int:
 
     frameworks = _names(args.only) or tuple(s.key for s in FRAMEWORKS)
     frameworks = tuple(f for f in frameworks if f not in _names(args.skip))
+    if args.engine is not None:  # the engines named, in place of the others
+        engines = _names(args.engine)
+        for key in engines:
+            if key not in registry.keys("engine"):
+                print(f"rollout-parity check: --engine {key}: unknown engine; rollout-parity knows "
+                      f"{', '.join(registry.keys('engine'))}", file=sys.stderr)
+                return 2
+        frameworks = tuple(f for f in frameworks if f not in registry.keys("engine")) + engines
     opts = CheckOptions(frameworks=frameworks, require=_names(args.require), nemo_rl_source=args.nemo_rl_source,
                         model=args.model, max_delta=args.max_delta,
                         gpu_memory_utilization=args.gpu_memory_utilization, progress=not args.no_progress)

@@ -191,12 +191,12 @@ def _compose_main_ppo(options: Any) -> tuple[Any, Any, str]:
     return full, job, f"{config_name} from {search_dir}"
 
 
-def _verl_engine_kwargs(config: Any) -> dict:
-    """What verl's ``vLLMHttpServer.launch_server`` takes from the config over its own arguments:
-    ``actor_rollout_ref.rollout.engine_kwargs.vllm`` without null values."""
+def _verl_engine_kwargs(config: Any, engine: str) -> dict:
+    """What verl's rollout server (``vLLMHttpServer`` / ``SGLangHttpServer``) ``launch_server`` takes from the config
+    over its own arguments: ``actor_rollout_ref.rollout.engine_kwargs.<engine>`` without null values."""
     from omegaconf import DictConfig, OmegaConf
 
-    node = OmegaConf.select(config, "actor_rollout_ref.rollout.engine_kwargs.vllm", default=None)
+    node = OmegaConf.select(config, f"actor_rollout_ref.rollout.engine_kwargs.{engine}", default=None)
     if not isinstance(node, DictConfig):
         return {}
     try:
@@ -268,8 +268,12 @@ def _verl(hydra_argv: Sequence[str]) -> int:
         lines.append(f"  {key}: {_text(old)} -> {shown}")
     if block_written:
         lines.append(f"  {flags.CONFIG_KEY}: written in full (the shared flags above)")
-    lines += _section("vLLM engine kwargs (actor_rollout_ref.rollout.engine_kwargs.vllm: verl's server passes them "
-                      "over its own):", _verl_engine_kwargs(config).items())
+    from rollout_parity import registry
+    from rollout_parity.adapters.verl.config import select
+
+    engine = registry.unit(select(config, "actor_rollout_ref.rollout.name", "vllm"))  # refused by the hook if not ours
+    lines += _section(f"{engine.name} engine kwargs (actor_rollout_ref.rollout.engine_kwargs.{engine.key}: verl's "
+                      "server passes them over its own):", _verl_engine_kwargs(config, engine.key).items())
     lines.append("dry run: Ray not started, no model or data read")
     print("\n".join(lines))
     return 0

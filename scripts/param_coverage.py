@@ -86,7 +86,8 @@ RECORDS = {
     "rollout_parity.core.distributed.MaskedSummary": "masked_summary's result",
     "rollout_parity.core.token_ids.MessageTokenIds": "message_token_ids's result",
     "rollout_parity.doctor.rows.RowSpec": "the doctor's fixed table of rows (ROW_SPECS)",
-    "rollout_parity.engines.vllm.features.VllmFeature": "one row of the fixed table of vLLM features (VLLM_FEATURES)",
+    "rollout_parity.engines.spec.EngineFeature": "one row of an engine's fixed table of features (VLLM_FEATURES, "
+                                                 "SGLANG_FEATURES)",
     "rollout_parity.check.report.CheckResult": "one check's result in the report",
     "rollout_parity.check.report.FrameworkReport": "one framework's result in the report",
 }

@@ -179,7 +179,9 @@ CHECK_FLAGS = [
     (["--model", "/models/m"], dict(model="/models/m")),
     (["--nemo_rl_source", "/src/RL"], dict(nemo_rl_source="/src/RL")),
     (["--only", "core,verl"], dict(frameworks=("core", "verl"))),
-    (["--skip", "vllm,nemo-rl"], dict(frameworks=("core", "trl", "verl"))),
+    (["--skip", "vllm,nemo-rl"], dict(frameworks=("core", "trl", "verl", "sglang"))),
+    (["--engine", "sglang"], dict(frameworks=("core", "trl", "verl", "nemo_rl", "sglang"))),
+    (["--only", "core,vllm", "--engine", "SGLang"], dict(frameworks=("core", "sglang"))),
     (["--require", "trl"], dict(require=("trl",))),
     (["--max_delta", "0.01"], dict(max_delta=0.01)),
     (["--gpu_memory_utilization", "0.5"], dict(gpu_memory_utilization=0.5)),
@@ -205,8 +207,15 @@ def test_each_check_flag_sets_its_option(monkeypatch, argv, fields):
 
 
 def test_skipping_every_framework_is_a_usage_error(capsys):
-    assert cli.main(["check", "--no_progress", "--skip", "core,trl,verl,nemo_rl,vllm"]) == 2
+    from rollout_parity import registry
+
+    assert cli.main(["check", "--no_progress", "--skip", ",".join(("core", *registry.keys()))]) == 2
     assert "no framework left to check" in capsys.readouterr().err
+
+
+def test_an_unknown_engine_is_a_usage_error_naming_the_known_ones(capsys):
+    assert cli.main(["check", "--no_progress", "--engine", "tgi"]) == 2
+    assert "--engine tgi: unknown engine; rollout-parity knows vllm, sglang" in capsys.readouterr().err
 
 
 def test_json_dash_prints_the_report(monkeypatch, capsys):

@@ -125,3 +125,18 @@ def test_nemo_rl_vllm_pins_are_inside_our_range():
         pins[tree] = re.search(r'"vllm==([0-9.]+) ;', text).group(1)
     assert pins == {"v0.7.0": "0.20.0", "head": "0.25.1"}
     assert all(ours.specifier.contains(v) for v in pins.values())
+
+
+def test_the_sglang_extra_admits_the_sglang_verl_and_nemo_rl_pin():
+    """verl 0.9.1's ``verl[sglang]`` pins ``sglang==0.5.12`` (read from its metadata); NeMo RL's newest snapshot
+    ``0.5.12.post1``: both inside our ``[sglang]`` extra and the range the recipe was read for."""
+    from packaging.specifiers import SpecifierSet
+
+    from rollout_parity.engines.sglang.features import SUPPORTED_SGLANG
+
+    verl = _theirs(_installed("verl", "0.9.1"), "sglang")
+    (pin,) = [str(r.specifier)[2:] for r in verl if r.name == "sglang"]
+    (ours,) = [r for r in _ours("sglang") if r.name == "sglang"]
+    for version in (pin, "0.5.12.post1", "0.5.23"):
+        assert ours.specifier.contains(version) and SpecifierSet(SUPPORTED_SGLANG).contains(version), version
+    assert pin == "0.5.12" and not ours.specifier.contains("0.5.11")

@@ -165,7 +165,7 @@ class Check:
 
 @dataclass
 class FrameworkReport:
-    key: str  # core, trl, verl, nemo_rl, vllm
+    key: str  # "core" or a registry key (rollout_parity/registry.py)
     framework: str  # the name users know
     version: Optional[str] = None
     tested: Optional[str] = None

@@ -10,9 +10,11 @@ Imports the standard library only.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
-__all__ = ["PREFIX_CACHE_POLICIES", "EngineFeatureMissingError", "EngineParityError", "normalize_prefix_cache_policy"]
+__all__ = ["PREFIX_CACHE_POLICIES", "EngineFeature", "EngineFeatureMissingError", "EngineParityError",
+           "missing_feature_message", "normalize_prefix_cache_policy"]
 
 #: How the prefix cache is treated across in-flight weight updates (``engines/vllm/weight_update.py``).
 #: ``off``: no prefix cache (the recipe). ``reset``: cache on, reset after each weight load
@@ -21,8 +23,25 @@ __all__ = ["PREFIX_CACHE_POLICIES", "EngineFeatureMissingError", "EngineParityEr
 PREFIX_CACHE_POLICIES = ("off", "reset", "salt")
 
 
+@dataclass(frozen=True)
+class EngineFeature:
+    """One capability of an engine: its first release, what it does, and our options that need it (one row of an
+    engine's release table, ``engines/<engine>/features.py``)."""
+
+    name: str
+    since: str
+    what: str
+    flags: tuple[str, ...] = ()
+
+
 class EngineFeatureMissingError(RuntimeError):
     """The installed engine lacks a setting or capability that an option needs (raised before anything loads)."""
+
+
+def missing_feature_message(engine: str, feature: EngineFeature, version: Optional[str], option: str) -> str:
+    """The one-line refusal: the option, what it needs, the release that has it, and the two ways out."""
+    return (f"{option} needs {feature.what}, which {engine} {version} lacks: it is in {engine} >= {feature.since}. "
+            f"Upgrade {engine} to {feature.since} or later, or turn {option} off")
 
 
 class EngineParityError(RuntimeError):

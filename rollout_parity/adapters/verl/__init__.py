@@ -12,7 +12,9 @@ The rooms, in the order a run meets them:
 
 * ``flags``   the active flags and how they reach every Ray process (the job's environment);
 * ``config``  translate: the ``rollout_parity`` block validated, refused by name, or written into
-  verl's config (the vLLM parity recipe, the transport) by :func:`configure_verl`;
+  verl's config (the rollout engine's parity recipe, the transport) by :func:`configure_verl`;
+* ``engine``  the rollout engine (``rollout.name``: vLLM or SGLang): its recipe through verl's ``engine_kwargs``,
+  what verl's path to it cannot carry refused by name;
 * ``precision`` the ``precision`` flag on verl's actor, ref and rollout dtype keys, and the warning when
   the two sides differ without it;
 * ``driver``  hand over: the correction once per batch in verl's rollout-correction helper;

@@ -2,7 +2,7 @@
 
 :func:`configure_verl` runs on the driver before Ray starts (from verl's ``auto_set_device`` and
 ``validate_config``, see ``patches.py``). It reads the block, refuses by name what verl cannot
-express, writes the vLLM parity recipe and the flags' transport into verl's config (each change
+express, writes the rollout engine's parity recipe (``engine.py``) and the flags' transport into verl's config (each change
 logged as ``key: old -> new``), and makes the flags active. docs/verl.md lists every change and
 every refusal.
 """
@@ -20,6 +20,8 @@ from rollout_parity.framework_api import check_framework
 from rollout_parity.adapters._refusals import active_penalties, head_modifiers, needs_rollout_logprobs, \
     refuse_unmatched_sampler
 from rollout_parity.adapters.verl.compat import REQUIRED_VERL_NAMES, TESTED_VERL, has_v1_trainer, verl_version
+from rollout_parity.adapters.verl.engine import engine_reproduces_sampler, merge_engine_recipe, refuse_engine, \
+    refuse_recipe_contradictions
 from rollout_parity.adapters.verl.sync import refuse_sync_flags
 from rollout_parity.adapters.verl.flags import CONFIG_KEY, ENV_CONFIG, ENV_MODULES, MODULE, active_config, \
     carried_env, check_ray_carries, set_active_config, with_module
@@ -27,7 +29,6 @@ from rollout_parity.adapters.verl.precision import refuse_precision_contradictio
     write_precision
 from rollout_parity.core.config import CorrectionConfig, refuse_unknown
 from rollout_parity.core.sampler import SamplerSettings
-from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs
 
 __all__ = ["select", "correction_config_from_verl", "check_no_double_correction", "sampler_from_verl",
            "configure_verl"]
@@ -135,19 +136,12 @@ def _refuse(config: Any, cfg: CorrectionConfig, sampler: SamplerSettings, sample
     """What the flags cannot mean in this verl run, by name, before anything is written."""
     check_no_double_correction(config, cfg)
     refuse_precision_contradictions(config, cfg, _command_line_keys())  # precision.py
-    _refuse_recipe_contradictions(config, cfg)
-    engine = select(config, "actor_rollout_ref.rollout.name")
-    if engine is not None and engine != "vllm":
-        raise ValueError(
-            f"actor_rollout_ref.rollout.name={engine!r}: rollout-parity's verl adapter needs vLLM as the rollout. "
-            "The parity recipe it writes is vLLM's (engine_kwargs.vllm: logprobs_mode=processed_logprobs, prefix "
-            "caching and async scheduling off, the fp32 head), and the sampler-aware pi_old reproduces vLLM's "
-            f"processed logprobs; no {engine} equivalent is written or tested. Set actor_rollout_ref.rollout.name=vllm, "
-            f"or drop the +{CONFIG_KEY}.* overrides (verl's own algorithm.rollout_correction works with {engine})")
+    refuse_recipe_contradictions(config, cfg, _command_line_keys())  # engine.py: engine_kwargs.<engine>
     if cfg.rollout_sampling_replay:
-        raise ValueError(f"rollout_sampling_replay=true: verl {verl_version()}'s vLLM server hands its agent loop only "
-                         "token ids and logprobs (TokenOutput), so vLLM's per-token kept sets never reach the actor's "
-                         "pi_old pass; not supported in verl yet (the boundary rule covers the recomputed kept set)")
+        raise ValueError(f"rollout_sampling_replay=true: verl {verl_version()}'s rollout servers hand its agent loop "
+                         "only token ids and logprobs (TokenOutput), so the engine's per-token kept sets never reach "
+                         "the actor's pi_old pass; not supported in verl yet (the boundary rule covers the recomputed "
+                         "kept set)")
     rollout = select(config, "actor_rollout_ref.rollout", {})
     refuse_unmatched_sampler(cfg, sampler, penalties=active_penalties(lambda k: select(rollout, k)),
                              modifiers=head_modifiers(_model_config(config)) if sampler_aware else {})
@@ -182,36 +176,6 @@ def _node(config: DictConfig, *keys: str) -> DictConfig:
     return config
 
 
-def _refuse_recipe_contradictions(config: Any, cfg: CorrectionConfig) -> None:
-    """A vLLM setting the user chose against the parity recipe, by name (nothing is written yet).
-
-    ``engine_kwargs.vllm`` is refused whenever it contradicts. verl's own rollout fields feed the same
-    engine: ``logprobs_mode`` (verl's default is the recipe's) is refused whenever it differs;
-    ``enable_prefix_caching`` (verl's default, True, is not the recipe's) when it was set on the
-    command line, otherwise overwritten and printed.
-    """
-    recipe = vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head)
-    prefix = "actor_rollout_ref.rollout."
-    given = select(config, prefix + "engine_kwargs.vllm", {}) or {}
-    given = OmegaConf.to_container(given, resolve=True) if isinstance(given, DictConfig) else dict(given)
-    for key, value in recipe.items():
-        current = given.get(key)
-        pairs = [(f"{key}.{k}", (current or {}).get(k), v) for k, v in value.items()] if isinstance(value, dict) \
-            else [(key, current, value)]
-        for name, mine, theirs in pairs:
-            if mine is not None and mine != theirs:
-                raise ValueError(f"{prefix}engine_kwargs.vllm.{name}={mine!r} contradicts the parity recipe "
-                                 f"({name.rsplit('.', 1)[-1]}={theirs!r})")
-    explicit = _command_line_keys()
-    for key in ("enable_prefix_caching", "logprobs_mode"):
-        current = select(config, prefix + key)
-        if key in recipe and current is not None and current != recipe[key] \
-                and (key == "logprobs_mode" or prefix + key in explicit):
-            raise ValueError(f"{prefix}{key}={current!r} contradicts the parity recipe ({key}={recipe[key]!r}), "
-                             f"the same setting as engine_kwargs.vllm.{key}: drop the override, or the "
-                             f"+{CONFIG_KEY}.* overrides")
-
-
 def _command_line_keys() -> set[str]:
     """The config keys the user set on the Hydra command line (empty outside ``hydra.main``)."""
     try:
@@ -221,22 +185,6 @@ def _command_line_keys() -> set[str]:
     except Exception:  # noqa: BLE001 - no Hydra run: nothing was set on a command line
         return set()
     return {str(o).split("=", 1)[0].lstrip("+~") for o in overrides}
-
-
-def _merge_vllm_recipe(config: DictConfig, cfg: CorrectionConfig) -> None:
-    recipe = vllm_parity_kwargs(fp32_lm_head=cfg.fp32_lm_head, precision=cfg.precision)
-    rollout = config.actor_rollout_ref.rollout
-    vllm_kwargs = _node(rollout, "engine_kwargs", "vllm")
-    for key, value in recipe.items():
-        current = vllm_kwargs.get(key, None)
-        if isinstance(value, dict):
-            merged = dict(OmegaConf.to_container(current, resolve=True)) if current is not None else {}
-            vllm_kwargs[key] = {**merged, **value}
-        else:
-            vllm_kwargs[key] = value
-    for key in ("enable_prefix_caching", "logprobs_mode"):  # verl passes these from its own fields too
-        if key in recipe and key in rollout:
-            rollout[key] = recipe[key]
 
 
 def _job_env_vars() -> dict[str, str]:
@@ -272,7 +220,7 @@ def _refuse_job_env(carried: dict[str, Optional[str]]) -> None:
 def _write(config: DictConfig, cfg: CorrectionConfig, carried: dict[str, Optional[str]], verl_bypass: bool) -> None:
     job = _job_env_vars()
     with open_dict(config):
-        _merge_vllm_recipe(config, cfg)
+        merge_engine_recipe(config, cfg)
         write_precision(config, cfg)
         config.actor_rollout_ref.rollout.calculate_log_probs = True
         model = config.actor_rollout_ref.model
@@ -315,8 +263,9 @@ def configure_verl(config: DictConfig) -> Optional[CorrectionConfig]:
         return None
     check_framework("verl", distributions=("verl",), tested=TESTED_VERL, extra="verl", required=REQUIRED_VERL_NAMES)
     refuse_sync_flags(config, cfg)  # sync.py: the weight-sync check and MoE routing replay
+    engine = refuse_engine(config, cfg)  # engine.py: the rollout engine, and what verl's path to it cannot carry
     sampler = sampler_from_verl(config)
-    sampler_aware = sampler.truncates and needs_rollout_logprobs(cfg)
+    sampler_aware = sampler.truncates and needs_rollout_logprobs(cfg) and engine_reproduces_sampler(engine)
     _refuse(config, cfg, sampler, sampler_aware)
     # verl's own bypass skips the pi_old pass; rejection and a truncating sampler need it (docs/verl.md).
     verl_bypass = cfg.old_logprob_source == "bypass" and cfg.rollout_rejection is None and not sampler_aware

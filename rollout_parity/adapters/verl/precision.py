@@ -19,13 +19,13 @@ Where verl 0.9.1 reads each side's dtype (``core/precision.py`` has the flag and
   (``verl/workers/engine/megatron/transformer_impl.py:292``), which also sets Megatron's optimizer to fp16
   with dynamic loss scaling (``:545``; ``verl/utils/megatron/optimizer.py:159-169``, initial scale 32768).
   ``McoreEngineConfig`` takes bf16 or fp16 only (``verl/workers/config/engine.py:218``): fp32 is refused.
-* **the vLLM engine**: ``rollout.dtype`` (``verl/workers/rollout/vllm_rollout/vllm_async_server.py:326``),
-  which ``rollout.engine_kwargs.vllm.dtype`` overrides (the engine kwargs come last, ``:349``); the
-  parity recipe writes the same value there.
+* **the rollout engine**: ``rollout.dtype`` (``verl/workers/rollout/vllm_rollout/vllm_async_server.py:326``;
+  SGLang's ``sglang_rollout/async_sglang_server.py:316``), which ``rollout.engine_kwargs.<engine>.dtype``
+  overrides (the engine kwargs come last, ``:349`` and ``:340``); the parity recipe writes the same value there.
 
 With the flag, a key verl's own YAML sets (``fsdp_config.dtype``, ``megatron.dtype``, ``rollout.dtype``:
 bfloat16) is overwritten and printed unless the user set it on the command line; a key only a user sets
-(``mixed_precision.param_dtype``, ``engine_kwargs.vllm.dtype``) that contradicts is refused, as is one
+(``mixed_precision.param_dtype``, ``engine_kwargs.<engine>.dtype``) that contradicts is refused, as is one
 set on the command line. Without the flag, an actor and an engine that compute in different dtypes (a
 precision set on one side only) get one warning naming both.
 """
@@ -59,6 +59,16 @@ def _select(config: Any, key: str) -> Any:
     return select(config, key)
 
 
+def _engine(config: Any) -> str:
+    """The rollout engine's name (verl's default: vLLM)."""
+    return str(_select(config, _AR + "rollout.name") or "vllm")
+
+
+def _engine_dtype_key(config: Any) -> str:
+    """The engine kwargs' dtype, which verl passes after ``rollout.dtype`` (the engine's own ``dtype`` wins)."""
+    return f"{_AR}rollout.engine_kwargs.{_engine(config)}.dtype"
+
+
 def _strategy(config: Any) -> Optional[str]:
     return _select(config, _AR + "actor.strategy")
 
@@ -86,13 +96,13 @@ def precision_writes(config: Any, cfg: CorrectionConfig) -> dict[str, Any]:
         elif strategy == "megatron":
             writes[f"{_AR}{role}.megatron.dtype"] = engine_dtype(precision)
     writes[_AR + "rollout.dtype"] = engine_dtype(precision)
-    writes[_AR + "rollout.engine_kwargs.vllm.dtype"] = engine_dtype(precision)
+    writes[_engine_dtype_key(config)] = engine_dtype(precision)
     return writes
 
 
 def _set_by_user_only(key: str) -> bool:
     """Keys verl's own YAML never sets: any value there is the user's."""
-    return key.endswith((".mixed_precision.param_dtype", ".engine_kwargs.vllm.dtype"))
+    return key.endswith(".mixed_precision.param_dtype") or (".engine_kwargs." in key and key.endswith(".dtype"))
 
 
 def refuse_precision_contradictions(config: Any, cfg: CorrectionConfig, explicit: set[str]) -> None:
@@ -102,7 +112,7 @@ def refuse_precision_contradictions(config: Any, cfg: CorrectionConfig, explicit
     precision = cfg.precision
     if precision is None:
         return
-    if precision == "fp16":  # vLLM's own refusal, named before Ray starts instead of when the engine builds
+    if precision == "fp16" and _engine(config) == "vllm":  # vLLM's refusal, before Ray instead of at engine build
         try:
             refuse_fp16_model(_select(config, "actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
         except FlagError as exc:
@@ -130,7 +140,7 @@ def refuse_precision_contradictions(config: Any, cfg: CorrectionConfig, explicit
 def write_precision(config: DictConfig, cfg: CorrectionConfig) -> None:
     """Write :func:`precision_writes` into ``config`` (struct mode lifted by the caller)."""
     for key, value in precision_writes(config, cfg).items():
-        if key.endswith(".engine_kwargs.vllm.dtype"):
+        if ".engine_kwargs." in key:
             continue  # the parity recipe's (config._merge_vllm_recipe), the same value
         parent, name = key.rsplit(".", 1)
         node = config
@@ -170,9 +180,9 @@ def trainer_dtype(config: Any) -> tuple[str, Optional[str], str]:
 
 
 def engine_dtype_of(config: Any) -> tuple[str, Optional[str]]:
-    """``(key, precision)``: the vLLM engine's dtype (``engine_kwargs.vllm.dtype`` over ``rollout.dtype``);
+    """``(key, precision)``: the engine's dtype (``engine_kwargs.<engine>.dtype`` over ``rollout.dtype``);
     None for ``auto`` (the checkpoint's dtype, unknown here)."""
-    kwargs = _AR + "rollout.engine_kwargs.vllm.dtype"
+    kwargs = _engine_dtype_key(config)
     if _select(config, kwargs) is not None:
         return kwargs, precision_of_dtype(_select(config, kwargs))
     key = _AR + "rollout.dtype"
@@ -192,7 +202,7 @@ def warn_one_sided_precision(config: Any) -> Optional[str]:
         return None
     if t_precision is None or e_precision is None or t_precision == e_precision:
         return None
-    message = (f"rollout-parity: the actor computes in {t_precision} ({trainer}) but the vLLM engine in "
+    message = (f"rollout-parity: the actor computes in {t_precision} ({trainer}) but the rollout engine in "
                f"{e_precision} ({e_key}={e_value!r}): a precision set on one side only, so pi_rollout and pi_old "
                f"differ by the two dtypes' rounding. `rollout-parity doctor` measures what it costs on your model "
                f"(its p/mixed row); +{CONFIG_KEY}.precision=<bf16|fp16|fp32> sets both sides together")

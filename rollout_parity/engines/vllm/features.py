@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass
 from typing import Optional
 
 from rollout_parity.core.versions import installed_version
 from rollout_parity.registry import unit
-from rollout_parity.engines.spec import EngineFeatureMissingError
+from rollout_parity.engines.spec import EngineFeature, EngineFeatureMissingError, missing_feature_message
 
 __all__ = [
     "VllmFeature",
@@ -43,14 +42,8 @@ MATRIX_VLLM = ("0.20.0", "0.24.0", "0.25.1", "0.28.0", "0.31.0", "0.32.0")
 VLLM_DISTRIBUTIONS = unit("vllm").distributions
 
 
-@dataclass(frozen=True)
-class VllmFeature:
-    """One vLLM capability: its first release, what it does, and our options that need it."""
-
-    name: str
-    since: str
-    what: str
-    flags: tuple[str, ...] = ()
+#: One vLLM capability (the seam's record: its first release, what it does, our options that need it).
+VllmFeature = EngineFeature
 
 
 _FEATURES = (
@@ -143,9 +136,5 @@ def require_vllm_feature(feature: str, version: Optional[str], *, option: str) -
     """Raise :class:`VllmKnobMissingError` when vLLM ``version`` lacks ``feature``, which ``option`` needs."""
     if vllm_has(feature, version):
         return
-    f = VLLM_FEATURES[feature]
-    raise VllmKnobMissingError(
-        f"{option} needs {f.what}, which vLLM {version} lacks: it is in vLLM >= {f.since}. "
-        f"Upgrade vLLM to {f.since} or later, or turn {option} off"
-    )
+    raise VllmKnobMissingError(missing_feature_message("vLLM", VLLM_FEATURES[feature], version, option))
 
