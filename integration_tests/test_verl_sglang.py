@@ -146,3 +146,17 @@ def test_an_sglang_outside_the_releases_that_ran_is_warned_about_once(monkeypatc
     untested = r"SGLang >=0\.5\.12,<0\.5\.24; the installed 0\.5\.11"
     with pytest.warns(framework_api.UntestedFrameworkVersionWarning, match=untested):
         adapter.configure_verl(config)
+
+
+def test_a_precision_set_on_one_side_names_the_sglang_engine(caplog):
+    """Without the flag: an actor in bf16 and an SGLang engine told float16 through its own engine kwargs get one
+    warning naming SGLang and the key (engine_kwargs.sglang.dtype wins over rollout.dtype in verl's server)."""
+    import logging
+
+    from rollout_parity.adapters.verl import precision as verl_precision
+
+    config = compose_verl(SGLANG, "+actor_rollout_ref.rollout.engine_kwargs.sglang.dtype=float16")
+    with caplog.at_level(logging.WARNING, logger=verl_precision.__name__):
+        message = verl_precision.warn_one_sided_precision(config)
+    assert message is not None and "the SGLang engine in fp16" in message
+    assert "actor_rollout_ref.rollout.engine_kwargs.sglang.dtype='float16'" in message

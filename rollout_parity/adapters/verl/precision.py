@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from rollout_parity import registry
 from rollout_parity.engines.vllm.fp16_models import refuse_fp16_model
 from rollout_parity.adapters.verl.flags import CONFIG_KEY
 from rollout_parity.core.config import CorrectionConfig, FlagError
@@ -202,7 +203,9 @@ def warn_one_sided_precision(config: Any) -> Optional[str]:
         return None
     if t_precision is None or e_precision is None or t_precision == e_precision:
         return None
-    message = (f"rollout-parity: the actor computes in {t_precision} ({trainer}) but the rollout engine in "
+    engine = _engine(config)
+    engine = next((u.name for u in registry.ENGINES if u.key == engine), engine)
+    message = (f"rollout-parity: the actor computes in {t_precision} ({trainer}) but the {engine} engine in "
                f"{e_precision} ({e_key}={e_value!r}): a precision set on one side only, so pi_rollout and pi_old "
                f"differ by the two dtypes' rounding. `rollout-parity doctor` measures what it costs on your model "
                f"(its p/mixed row); +{CONFIG_KEY}.precision=<bf16|fp16|fp32> sets both sides together")
