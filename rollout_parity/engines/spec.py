@@ -11,10 +11,10 @@ Imports the standard library only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["PREFIX_CACHE_POLICIES", "EngineFeature", "EngineFeatureMissingError", "EngineParityError",
-           "missing_feature_message", "normalize_prefix_cache_policy"]
+           "feature_holds", "missing_feature_message", "normalize_prefix_cache_policy"]
 
 #: How the prefix cache is treated across in-flight weight updates (``engines/vllm/weight_update.py``).
 #: ``off``: no prefix cache (the recipe). ``reset``: cache on, reset after each weight load
@@ -36,6 +36,15 @@ class EngineFeature:
 
 class EngineFeatureMissingError(RuntimeError):
     """The installed engine lacks a setting or capability that an option needs (raised before anything loads)."""
+
+
+def feature_holds(engine: str, features: Mapping[str, EngineFeature], feature: str, version: Optional[str],
+                  parse: Callable[[str], tuple]) -> bool:
+    """Whether ``engine`` release ``version`` has ``feature`` of its table ``features`` (``parse``: the engine's
+    version order). ``version=None`` (no engine here: settings for one elsewhere) assumes a current release."""
+    if feature not in features:
+        raise KeyError(f"unknown {engine} feature {feature!r}; known: {sorted(features)}")
+    return version is None or parse(version) >= parse(features[feature].since)
 
 
 def missing_feature_message(engine: str, feature: EngineFeature, version: Optional[str], option: str) -> str:

