@@ -1,8 +1,9 @@
 """Which SGLang release has what: the table the SGLang recipe and the adapters consult before anything loads.
 
 Each capability the recipe emits or a flag needs is listed with the first SGLang release that has it, read from
-the sources of every SGLang 0.5.x release on PyPI (0.5.0rc0 to 0.5.23; docs/compat_sglang.md). A flag that needs a capability the installed SGLang lacks is refused by
-name with :class:`SglangFeatureMissingError`, naming the release that has it, before a model or an engine is built.
+the sources of every SGLang 0.5.x release on PyPI (0.5.0rc0 to 0.5.23; docs/compat_sglang.md). A flag that needs a
+capability the installed SGLang lacks is refused by name with :class:`SglangFeatureMissingError`, naming the release
+that has it, before a model or an engine is built.
 
 SGLang's releases carry ``.postN`` tags that change what a release has (``rl_on_policy_target`` came in 0.5.4.post1),
 so versions compare with their post number. Read from the installed distribution's metadata, never by import.
