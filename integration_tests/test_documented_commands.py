@@ -37,12 +37,15 @@ from rollout_parity.testing.stack import need
 from tests.docs_text import ROOT, blocks, commands
 
 PAGES = ("README.md", "docs/trl.md", "docs/verl.md", "docs/verl_ray.md", "docs/nemo_rl.md",
-         "docs/nemo_rl_own_correction.md", "docs/install.md")
+         "docs/nemo_rl_own_correction.md", "docs/install.md", "docs/doctor_sglang.md")
 FIELDS = set(CorrectionConfig.__dataclass_fields__)
 #: Commands a handler here does not run, and the test that runs each (it must exist).
 RUN_ELSEWHERE = {
     r"^bash scripts/run\.sh doctor$": "integration_tests/test_doctor_smoke.py::test_table_rows_and_engines",
     r"^bash scripts/run\.sh test$": ".ci/run",
+    # SGLang's engines run in SGLang's own venv: the test runs this command there, small
+    r"^rollout-parity doctor --engine sglang ":
+        "integration_tests/test_doctor_sglang.py::test_every_sglang_row_ran_on_its_own_engine_as_sglang_resolved_it",
     r"^rollout-parity check( |$)": "integration_tests/test_check.py::test_the_command_passes_on_this_stack",
     r"^uv run rollout-parity launch examples/run_grpo\.py ":
         "integration_tests/test_nemo_rl_turn_on.py::test_rollout_parity_launch_runs_the_users_entry_point_with_our_loss",

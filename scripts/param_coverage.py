@@ -85,7 +85,7 @@ RECORDS = {
     "rollout_parity.core.sampler.HeadLogprobs": "sampler_logprobs_from_hidden's result",
     "rollout_parity.core.distributed.MaskedSummary": "masked_summary's result",
     "rollout_parity.core.token_ids.MessageTokenIds": "message_token_ids's result",
-    "rollout_parity.doctor.rows.RowSpec": "the doctor's fixed table of rows (ROW_SPECS)",
+    "rollout_parity.doctor.rowspec.RowSpec": "one row of an engine's fixed table of doctor rows (doctor/engine_<key>.py)",
     "rollout_parity.engines.spec.EngineFeature": "one row of an engine's fixed table of features (VLLM_FEATURES, "
                                                  "SGLANG_FEATURES)",
     "rollout_parity.check.report.CheckResult": "one check's result in the report",

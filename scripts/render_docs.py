@@ -55,6 +55,9 @@ RUNS: dict[str, tuple[str, str]] = {
     "832": ("docs/data/doctor_832.json",
             "rollout-parity doctor --rows d,s/sampler --max_tokens 832 --sentences 1 --steps 2 --num_prompts 4 "
             "--json docs/data/doctor_832.json"),
+    # in SGLang's venv (scripts/sglang_venv.sh: sglang 0.5.23 on the CPU torch, no matplotlib, so no plot)
+    "sglang": ("docs/data/doctor_sglang.json",
+               "rollout-parity doctor --engine sglang --json docs/data/doctor_sglang.json"),
 }
 
 MARKER = re.compile(r"<!-- doctor:(?P<spec>[^ ]+) -->(?P<body>.*?)<!-- /doctor -->", re.DOTALL)

@@ -37,6 +37,8 @@ def _value(action: argparse.Action) -> list[str]:
         return ["false" if action.default else "true"]  # the switch's other value
     if action.nargs == argparse.REMAINDER:
         return ["module"]
+    if action.choices:
+        return [next(c for c in action.choices if c != action.default)]
     if action.type is int:
         return ["3"]
     if action.type is float:
@@ -145,8 +147,11 @@ def test_each_subcommands_help(capsys, monkeypatch, sub):
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"usage: rollout-parity {sub}" in out
-    if sub == "doctor":  # --rows names the rows
-        assert f"of {', '.join(ROW_SPECS)} (default: all" in out
+    if sub == "doctor":  # --rows names the rows, --engine the engines and SGLang's rows
+        from rollout_parity.doctor.engine_sglang import ROW_SPECS as SGLANG_ROWS
+
+        assert f"of {', '.join(ROW_SPECS)} on vLLM (default: all the engine's" in out
+        assert f"of vllm, sglang (default vllm; SGLang's rows: {', '.join(SGLANG_ROWS)};" in out
     if sub == "launch":
         assert "--fp32_lm_head [true|false], --fp32-lm-head [true|false]" in out
 

@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 
+from rollout_parity.doctor.rows import DoctorOptions
 from tests.docs_text import ROOT, pages, rel
 from tests.script_loader import load_script
 
@@ -80,7 +81,9 @@ def _doctor_options(command: str) -> dict:
     return {"max_tokens": args.max_tokens, "steps": args.steps, "num_prompts": args.num_prompts,
             "sentences": args.sentences, "samples": args.samples, "response_length": args.response_length,
             "preset": args.preset, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-            "rows": tuple(r.strip() for r in args.rows.split(","))}
+            "engine": args.engine,
+            "rows": DoctorOptions(engine=args.engine, rows=None if args.rows is None else tuple(
+                r.strip() for r in args.rows.split(","))).rows}
 
 
 @pytest.mark.parametrize("name", sorted(render_docs.RUNS))
@@ -88,7 +91,7 @@ def test_each_saved_run_is_what_its_command_says(name):
     path, command = render_docs.RUNS[name]
     assert command.startswith("rollout-parity doctor ") and f"--json {path}" in command
     report = json.loads((ROOT / path).read_text())
-    saved = report["options"]
+    saved = {"engine": "vllm", **report["options"]}  # runs saved before --engine measured vLLM
     for key, want in _doctor_options(command).items():
         got = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
         assert got == want, f"{path}: {key} is {got!r}, its command gives {want!r}"

@@ -39,7 +39,8 @@ def test_parser_defaults_match_the_options():
     for name in ("num_prompts", "samples", "max_tokens", "steps", "sentences", "temperature", "top_k", "top_p",
                  "min_p", "update_scale", "preset"):
         assert getattr(args, name) == getattr(opts, name), name
-    assert tuple(args.rows.split(",")) == opts.rows == DEFAULT_ROWS
+    assert args.rows is None and args.engine == opts.engine == "vllm"  # None: the engine's own default rows
+    assert opts.rows == DEFAULT_ROWS
     assert set(opts.rows) == set(ROW_SPECS)
     # The default run includes one truncating sampler, so the s/* rows run.
     assert opts.top_p < 1.0
@@ -181,6 +182,27 @@ def test_the_plot_goes_beside_the_json_unless_told_otherwise(monkeypatch, argv, 
     monkeypatch.setattr("rollout_parity.doctor.run_doctor", fake_run)
     assert cli.main(["doctor", "--no_progress", *argv]) == 2
     assert seen["opts"].plot_path == plot
+
+
+def test_without_matplotlib_the_implicit_plot_is_dropped_and_said_and_an_explicit_one_kept(monkeypatch, capsys):
+    """``pip install 'rollout-parity[sglang]'`` brings no matplotlib: ``--json`` alone still runs (no plot, one line
+    saying so); ``--plot PATH`` is kept, for the requirements check to refuse naming matplotlib."""
+    import importlib.util
+
+    seen = {}
+
+    def fake_run(opts):
+        seen["opts"] = opts
+        raise ValueError("stop here")
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr("rollout_parity.doctor.run_doctor", fake_run)
+    assert cli.main(["doctor", "--no_progress", "--engine", "sglang", "--json", "out/r.json"]) == 2
+    assert seen["opts"].plot_path is None and seen["opts"].engine == "sglang"
+    assert "no plot beside --json: matplotlib is not installed" in capsys.readouterr().err
+    assert cli.main(["doctor", "--no_progress", "--engine", "sglang", "--json", "out/r.json", "--plot", "p.png"]) == 2
+    assert seen["opts"].plot_path == "p.png"
 
 
 def test_a_bad_set_flag_fails_before_anything_runs(monkeypatch, capsys):

@@ -23,7 +23,7 @@ from rollout_parity.core.precision import FP16_MAX
 from rollout_parity.doctor import format_recommendation, format_table, recommend
 from rollout_parity.doctor import measure, precision
 from rollout_parity.doctor.advice import FP16_PAYS, PRECISION_OPT_IN
-from rollout_parity.doctor.rows import DEFAULT_ROWS, PRECISION_ROWS, ROW_SPECS, DoctorOptions, selected_rows
+from rollout_parity.doctor.rows import CONFIGS, DEFAULT_ROWS, PRECISION_ROWS, ROW_SPECS, DoctorOptions, selected_rows
 from rollout_parity.testing.tiny_model import build_tiny_model
 
 
@@ -276,7 +276,7 @@ def test_refused_p_rows_are_dropped_before_any_engine(model_path, monkeypatch):
     monkeypatch.setattr(precision, "float16_refusals", lambda: ({"qwen2": "a reason of vLLM's"}, "test"))
     seen = {}
 
-    def sample(vllm, model_path, specs, sizing, sampling, prompts, warm, weights, opts, timings):
+    def sample(driver, model_path, specs, sizing, sampling, prompts, warm, weights, opts, timings):
         seen["rows"] = [s.name for s in specs]
         def batch(v, ps):
             rows = [p for p in ps for _ in range(opts.samples)]
@@ -285,7 +285,7 @@ def test_refused_p_rows_are_dropped_before_any_engine(model_path, monkeypatch):
                                      cached_tokens=0, update_seconds=0.0)
 
         batches = {c: [batch(v, ps) for v, ps in enumerate(prompts)] for c in dict.fromkeys(s.config for s in specs)}
-        return {"batches": batches, "resolved": {measure.CONFIGS[c][0]: {} for c in batches},
+        return {"batches": batches, "resolved": {CONFIGS[c][0]: {} for c in batches},
                 "held": {s.name: {} for s in specs}}
 
     monkeypatch.setattr(measure, "_sample", sample)

@@ -89,16 +89,18 @@ def sampled():
         return {}
 
     from rollout_parity import grpo_rounds
+    from rollout_parity.doctor import engine_vllm
     from rollout_parity.engines.vllm import recipe as vllm_recipe
 
     with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
         mp.setattr(grpo_rounds, "warm_up", lambda *a, **k: None)
         mp.setattr(grpo_rounds, "run_rounds", run_rounds)
         mp.setattr(grpo_rounds, "shutdown", lambda llm: None)
         mp.setattr(vllm_recipe, "describe_engine", lambda llm: {})
         mp.setattr(vllm_recipe, "verify_engine", verify)
-        out = measure._sample(types.SimpleNamespace(LLM=LLM), "/models/m", specs, SIZING, SAMPLING, [[[1, 2]]],
-                              [[1, 2]], None, opts, {})
+        out = measure._sample(engine_vllm, "/models/m", specs, SIZING, SAMPLING, [[[1, 2]]], [[1, 2]], None, opts,
+                              {})
     checks = dict(zip((s.name for s in specs), verified.values()))
     return specs, built, rounds, checks, out
 

@@ -37,7 +37,10 @@ one shared system prompt, each sampled ``--samples`` times (a GRPO group). The e
 turns per version in a rotating order, so tok/s is measured interleaved and repeated; a row's
 tok/s is the median over versions, "vs a" the median of per-version ratios to row a.
 
-Modules: ``rows`` (options, what each row is, the checks before anything runs), ``measure``
+On SGLang (``--engine sglang``) the same method runs SGLang's rows (``doctor/engine_sglang.py``; docs/doctor_sglang.md).
+
+Modules: ``rows`` (options, the checks before anything runs), ``engine_vllm`` / ``engine_sglang`` (each engine's
+rows and how the doctor builds, drives and checks its engines; ``rowspec``: what a row is), ``measure``
 (engines, rounds, the trainer's scores, the rows), ``lengths`` (thresholds that fit a length),
 ``advice`` (the recommendation, the fp16 verdict and the framework lines), ``output`` (table and plot),
 ``precision`` (fp16's range on the model during the trainer's forwards; the model types vLLM refuses in float16).

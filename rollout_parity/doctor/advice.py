@@ -6,16 +6,9 @@ from typing import Any, Mapping
 
 from rollout_parity.doctor.lengths import BUDGET
 
-__all__ = ["framework_lines", "recommend", "format_recommendation", "precision_verdict", "FP16_PAYS",
+__all__ = ["framework_lines", "NO_LINES", "recommend", "format_recommendation", "precision_verdict", "FP16_PAYS",
            "PRECISION_OPT_IN", "FP16_TRAINING"]
 
-# The recipe steps the recommendation judges: (what, row before, row after).
-_STEPS = (
-    ("processed logprobs (logprobs_mode=processed_logprobs)", "a", "b"),
-    ("prefix cache and async scheduling off", "b", "c"),
-    ("fp32 lm_head on both sides", "c", "d"),
-    ("sampler-aware trainer logprobs (sampler_logprobs)", "s/full-vocab", "s/sampler"),
-)
 _MATTERS = 1.2  # a step "mattered" when it lowered mean |delta| by at least this factor
 #: fp16 "pays" when p/fp16's mean |delta| is at least this factor below row c's (the same recipe in bf16, bf16
 #: head) and fp16's range is comfortable on the model (``doctor/precision.py``, ``COMFORT_DIVISOR``).
@@ -64,8 +57,17 @@ def _shared_flags(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in cfg.to_dict().items() if v != default[k]}
 
 
-def framework_lines(cfg: Any) -> dict[str, str]:
+#: Why a framework gets no lines when the run rolls out with an engine other than vLLM (None: it gets them).
+NO_LINES = {"verl": None, "trl": "TRL generates with vLLM only",
+            "nemo_rl": "rollout-parity's NeMo RL adapter writes vLLM's generation config only"}
+
+
+def framework_lines(cfg: Any, engine: str = "vllm") -> dict[str, str]:
     """The copy-pasteable lines that turn ``cfg`` (a ``CorrectionConfig``) on in each framework.
+
+    ``engine``: the rollout engine the run samples with. Under SGLang only verl's lines (with
+    ``actor_rollout_ref.rollout.name=sglang``; the adapter writes SGLang's recipe into its engine kwargs): the
+    other frameworks' keys are absent (:data:`NO_LINES` says why).
 
     ``verl``: Hydra overrides for ``python -m verl.trainer.main_ppo`` (the adapter merges the
     vLLM recipe into the rollout engine itself). ``trl``: command-line flags for a script that
@@ -83,7 +85,11 @@ def framework_lines(cfg: Any) -> dict[str, str]:
     from rollout_parity.adapters.nemo_rl import nemo_rl_generation_config
 
     flags = _shared_flags(cfg)
-    verl = " \\\n".join(f"    +rollout_parity.{k}={_fmt_hydra(v)}" for k, v in flags.items())
+    # verl's rollout.name takes the registry's engine keys; vllm is its default
+    verl_lines = [] if engine == "vllm" else [f"    actor_rollout_ref.rollout.name={engine}"]
+    verl = " \\\n".join(verl_lines + [f"    +rollout_parity.{k}={_fmt_hydra(v)}" for k, v in flags.items()])
+    if engine != "vllm":
+        return {"verl": verl}
     trl = " ".join(f"--{k} {shlex.quote(_fmt_cli(v))}" for k, v in flags.items())
 
     def plain(v: Any) -> Any:
@@ -108,9 +114,12 @@ def recommend(report: Mapping[str, Any]) -> dict[str, Any]:
     tokens / sequences they act on, and the lines for each framework."""
     from rollout_parity.core.config import CorrectionConfig
 
+    from rollout_parity.doctor.rows import engine_rows
+
+    engine = report.get("engine", "vllm")
     rows = {r["row"]: r for r in report["rows"]}
     steps = []
-    for what, before, after in _STEPS:
+    for what, before, after in engine_rows(engine).steps:
         if before in rows and after in rows:
             x, y = rows[before]["delta_abs_mean"], rows[after]["delta_abs_mean"]
             factor = x / y if y > 0 else float("inf")
@@ -147,7 +156,7 @@ def recommend(report: Mapping[str, Any]) -> dict[str, Any]:
     return {"steps": steps, "fp32_lm_head": fp32, "preset": report["correction_preset"], "rejection": rejection,
             "rejection_shares": advice.get("shares", {}), "checked_at": advice.get("checked_at", []),
             "flags": _shared_flags(cfg), "acting": acting, "prefix_cache": cache,
-            "precision": precision_verdict(report), "lines": framework_lines(cfg)}
+            "precision": precision_verdict(report), "lines": framework_lines(cfg, engine)}
 
 
 def _fp16_range(precision: Mapping[str, Any]) -> dict[str, Any]:
@@ -215,7 +224,14 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
         out.append(f"  {s['step']:<54s} {s['rows']:<24s} {s['before']:.2e} -> {s['after']:.2e}  "
                    f"({s['factor']:.1f}x, {verdict})")
     rows = {r["row"]: r for r in report["rows"]}
-    if "s/full-vocab" in rows:
+    engine = report.get("engine", "vllm")
+    if "s/full-vocab" in rows and engine == "sglang":
+        r = rows["s/full-vocab"]
+        out.append(f"  with {report['sampling']['truncating']}, SGLang returns the full tempered distribution's logprobs "
+                   f"and the trainer computes the same (s/full-vocab, mean |delta| {r['delta_abs_mean']:.2e}): no "
+                   f"kept-mass bias between them (the kept mass, mean log S = {r['mean_log_kept_mass']:+.3f} per "
+                   "token, is on neither side), so no sampler-aware pi_old under SGLang")
+    elif "s/full-vocab" in rows:
         r = rows["s/full-vocab"]
         out.append(f"  with {report['sampling']['truncating']}, a full-vocabulary trainer is biased by mean log S = "
                    f"{r['mean_log_kept_mass']:+.3f} per token: the adapters recompute pi_old with the sampler's "
@@ -247,6 +263,12 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
     flags = ", ".join(f"{k}={v}" for k, v in rec["flags"].items())
     out.append(f"flags to add: {flags}")
     lines = rec["lines"]
+    if engine != "vllm":
+        name = report.get("engine_name", engine)
+        out += ["", f"verl with {name} as the rollout (add to python -m verl.trainer.main_ppo ...):", lines["verl"]]
+        out += [f"TRL, NeMo RL: no lines for {name} ({NO_LINES['trl']}; {NO_LINES['nemo_rl']}): run the doctor on "
+                "vLLM for theirs"]
+        return "\n".join(out)
     out += ["", "verl (add to python -m verl.trainer.main_ppo ...):", lines["verl"],
             "", "TRL (the flags of a script parsing ParityGRPOConfig with TrlParser, e.g. "
                 f"python {TRL_EXAMPLE} <flags>):", "    " + lines["trl"],

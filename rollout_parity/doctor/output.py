@@ -6,8 +6,6 @@ import math
 import os
 from typing import Any
 
-from rollout_parity.doctor.rows import ROW_SPECS
-
 __all__ = ["format_table", "plot", "fp16_range_line"]
 
 
@@ -18,13 +16,17 @@ def plot(deltas: dict[str, list[float]], path: str, report: dict[str, Any]) -> N
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from rollout_parity.doctor.rows import engine_rows
+
+    labels = {name: spec.label for name, spec in engine_rows(report.get("engine", "vllm")).rows.items()}
+    engine = report.get("engine_name", "vLLM")
     fig, (ax, cdf) = plt.subplots(1, 2, figsize=(12, 4.5))
     bins = np.logspace(-7, 1, 57)
     for name, vals in deltas.items():
         v = np.clip(np.asarray(vals, dtype=float), 1e-7, 10.0)  # exact matches land at 1e-7
         if not v.size:
             continue
-        label = f"{name}: {ROW_SPECS[name].label} (mean {np.mean(vals):.2e})"
+        label = f"{name}: {labels[name]} (mean {np.mean(vals):.2e})"
         style = "--" if name.startswith("s/") else "-"
         ax.hist(v, bins=bins, histtype="step", linewidth=1.5, linestyle=style,
                 weights=np.full(v.size, 1.0 / v.size), label=label)
@@ -32,7 +34,7 @@ def plot(deltas: dict[str, list[float]], path: str, report: dict[str, Any]) -> N
         cdf.plot(xs, np.arange(1, xs.size + 1) / xs.size, linewidth=1.5, linestyle=style, label=name)
     for a in (ax, cdf):
         a.set_xscale("log")
-        a.set_xlabel("|log pi_trainer - log pi_vllm| per token (clipped to [1e-7, 10])")
+        a.set_xlabel(f"|log pi_trainer - log pi_{engine}| per token (clipped to [1e-7, 10])")
     ax.set_ylabel("fraction of tokens")
     cdf.set_ylabel("cumulative fraction of tokens")
     cdf.axvline(2e-3, color="grey", linestyle=":", linewidth=1)
@@ -76,8 +78,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"  {r['row']:<{name_w}}  {r['how']}")
     s, w = report["sampling"], report.get("workload", {})
     outside = [f"{r['row']} {r['outside_frac']:.2%}" for r in report["rows"] if r.get("outside_frac")]
+    engine = f"{report.get('engine_name', 'vLLM')} {report.get('engine_version', report.get('vllm_version'))}"
     lines.append(
-        f"model {report['model']} | vLLM {report['vllm_version']} | T={s['temperature']}, s/* rows "
+        f"model {report['model']} | {engine} | T={s['temperature']}, s/* rows "
         f"{s['truncating']} | preset {report['correction_preset']}"
     )
     if w:

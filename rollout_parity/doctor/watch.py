@@ -113,12 +113,23 @@ def _fmt(value: Optional[float], digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
+def _frameworks_with_lines(report: Mapping[str, Any]) -> Optional[set[str]]:
+    """The frameworks the recommendation printed lines for, by their names (under SGLang: verl alone); None when
+    the report carries no lines (every framework's names are shown)."""
+    from rollout_parity import registry
+
+    lines = (report.get("recommendation") or {}).get("lines") or {}
+    names = {registry.unit(key).name for key in lines if key in registry.keys("framework")}
+    return names or None
+
+
 def format_watch(report: Mapping[str, Any]) -> str:
     """The doctor's closing block: what to chart and when to worry, for this model."""
     lines = [f"what to watch during the run (alarm values: multiples of row {FLOOR_ROW}, parity on this model):"]
+    shown = _frameworks_with_lines(report)
     for r in watch_rows(report):
         sign = ">" if r["above"] else "<"
-        names = ", ".join(f"{fw} {name}" for fw, name in r["names"].items())
+        names = ", ".join(f"{fw} {name}" for fw, name in r["names"].items() if shown is None or fw in shown)
         lines.append(f"  {r['leaf']:<18} floor {_fmt(r['floor'], r['digits']):>9}  alarm {sign} {_fmt(r['alarm'], r['digits']):<9} ({names})")
     return "\n".join(lines)
 
