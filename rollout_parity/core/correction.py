@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,20 @@ from .ratios import (TokenStats, check_shapes, compute_dtype, nonfinite_to_zero_
 
 #: The public face; ``importance_weights``, ``rejection_keep`` and ``sequence_advantages`` are its parts.
 __all__ = ["CorrectionOutput", "compute_correction"]
+
+
+class TokenPass(NamedTuple):
+    """What :func:`correction_token_pass` returns: ``compute_correction``'s tensors before the one host sync
+    (a named tuple, so ``torch.compile`` returns it from one graph as it does a plain one)."""
+
+    weights: Optional[torch.Tensor]
+    mask: torch.Tensor
+    log_ratio: torch.Tensor
+    sequence_log_ratio: torch.Tensor
+    rejected: torch.Tensor
+    off_policy_masked: torch.Tensor
+    nonfinite: torch.Tensor
+    pending_metrics: Optional[torch.Tensor]  # the diagnostics as one vector, not yet all-reduced; None: off
 
 
 @dataclass
@@ -234,8 +248,8 @@ def compute_correction(
     inputs = tuple(None if t is None else t.detach() for t in (old_logprobs, rollout_logprobs, response_mask,
                                                                 advantages, current_logprobs))
     token_pass = compiled_token_pass() if cfg.compile_correction else correction_token_pass
-    weights, mask, log_ratio, seq_lr, rejected, off_policy, nonfinite, pending = token_pass(cfg, *inputs,
-                                                                                             want_metrics)
+    result: TokenPass = token_pass(cfg, *inputs, want_metrics)
+    pending = result.pending_metrics
     finish = None
     if pending is not None and rollout_logprobs is None:
         finish = _off_policy_frac_only
@@ -248,15 +262,15 @@ def compute_correction(
         metrics = finish(pending.tolist())  # the one host sync
 
     return CorrectionOutput(
-        weights=weights,
-        mask=mask,
+        weights=result.weights,
+        mask=result.mask,
         metrics=metrics,
         old_logprobs=rollout_logprobs if bypass else old_logprobs,
-        log_ratio=log_ratio,
-        sequence_log_ratio=seq_lr,
-        rejected=rejected,
-        off_policy_masked=off_policy,
-        nonfinite=nonfinite,
+        log_ratio=result.log_ratio,
+        sequence_log_ratio=result.sequence_log_ratio,
+        rejected=result.rejected,
+        off_policy_masked=result.off_policy_masked,
+        nonfinite=result.nonfinite,
         pending_metrics=pending if defer_metrics else None,
         _finish=finish if defer_metrics else None,
     )
@@ -270,13 +284,12 @@ def correction_token_pass(
     advantages: Optional[torch.Tensor],
     current_logprobs: Optional[torch.Tensor],
     want_metrics: bool,
-) -> tuple:
+) -> TokenPass:
     """Every tensor of :func:`compute_correction` from inputs it has validated (and detached).
 
     Only tensor operations and branches on the flags and dtypes: nothing reads a tensor's value back,
     so ``torch.compile`` takes it as one graph (``compile_correction``). The diagnostics come back as
-    one vector, not yet all-reduced. Returns ``(weights, mask, log_ratio, sequence_log_ratio, rejected,
-    off_policy_masked, nonfinite, pending_metrics or None)``.
+    one vector, not yet all-reduced (:class:`TokenPass`).
     """
     bypass = cfg.old_logprob_source == "bypass"
     base = current_logprobs if bypass else old_logprobs
@@ -375,14 +388,14 @@ def correction_token_pass(
             current_logprobs=current_logprobs,
             bypass=bypass,
         )
-    return (weights, mask, log_ratio, seq_lr, rejected if rejected is not None else torch.zeros_like(valid_f),
-            off_policy, stats.read_nonfinite_f, pending)
+    return TokenPass(weights, mask, log_ratio, seq_lr, rejected if rejected is not None else torch.zeros_like(valid_f),
+                     off_policy, stats.read_nonfinite_f, pending)
 
 
 _COMPILED: list = []
 
 
-def compiled_token_pass() -> Callable[..., tuple]:
+def compiled_token_pass() -> Callable[..., TokenPass]:
     """:func:`correction_token_pass` through ``torch.compile`` (``compile_correction``), built once per process.
 
     torch's automatic dynamic shapes: the first batch compiles for its exact shape, and the first batch of

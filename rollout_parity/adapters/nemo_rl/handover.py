@@ -25,6 +25,7 @@ from rollout_parity.adapters.nemo_rl.translate import (BLOCK_KEY, GUARD_KEY, NEM
 from rollout_parity.adapters.nemo_rl.versions import nemo_loss_names
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.readback import read_back
 from rollout_parity.core.metric_names import NemoRLLoss, nemo_rl_names
 
 __all__ = ["RolloutParityLossFn"]
@@ -223,13 +224,7 @@ class RolloutParityLossFn:
                 parts.update(diagnostics.counts(out, mask, sample_mask))
                 for name, value in (("gvt", gvt), ("gvs", gvs)):
                     parts[name] = value.detach() if torch.is_tensor(value) else torch.tensor(float(value))
-            device = loss.device
-            vector = torch.stack([p.to(device=device, dtype=torch.float64).reshape(()) for p in parts.values()])
-            if out.pending_metrics is not None:
-                vector = torch.cat([vector, out.pending_metrics.to(device)])
-            values = vector.tolist()  # the one host sync of the hand-over
-        got = dict(zip(parts, values))
-        return got, out.finish_metrics(values[len(parts):])
+        return read_back(parts, out)  # the one host sync of the hand-over (on bad_gen's device, the loss's)
 
     def _read(self, next_token_logprobs: torch.Tensor, data: Any):
         """The ``(B, T)`` tensors of NeMo RL's ``ClippedPGLossDataDict``, read as ``[:, 1:]``."""

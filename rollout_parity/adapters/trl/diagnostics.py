@@ -16,6 +16,7 @@ import torch
 from rollout_parity.adapters.trl.generation import KEY, ORIGINAL, THETA_METRICS, process_group
 from rollout_parity.core.correction import compute_correction
 from rollout_parity.core.distributed import all_reduce
+from rollout_parity.core.readback import read_back
 
 __all__ = ["diagnosed_loss"]
 
@@ -44,13 +45,12 @@ def diagnosed_loss(state: Any, original: Any, model: Any, inputs: Mapping[str, A
         drift = (inputs["old_per_token_logps"] - current).nan_to_num(0.0, 0.0, 0.0)
         drift_sums = all_reduce(torch.stack([torch.where(in_loss, drift.double(), 0.0).sum(), in_loss.sum().double()]),
                                 group)
-        values = torch.cat([drift_sums, out.pending_metrics.to(drift_sums.device)]).tolist()  # the one host sync
-    ours = out.finish_metrics(values[2:])
+    sums, ours = read_back({"drift": drift_sums[0], "tokens": drift_sums[1]}, out)  # the one host sync
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     trl_own_mask = state.config.off_policy_sequence_mask_delta is None and trainer.off_policy_mask_threshold is not None
     for name in THETA_METRICS:  # TRL's own off_policy_mask_threshold acting: our fraction (of no mask) would say 0
         if not (trl_own_mask and name.endswith("off_policy_masked_frac")):
             metrics[name].append(ours[name])
-    total, count = values[:2]
+    total, count = sums["drift"], sums["tokens"]
     metrics["rollout_correction/ppo_k1_mean"].append(total / count if count else 0.0)  # as masked_mean
     return loss

@@ -21,6 +21,7 @@ from rollout_parity.adapters._patching import is_ours, mark
 from rollout_parity.adapters.verl.flags import active_config
 from rollout_parity.core.config import CorrectionConfig
 from rollout_parity.core.correction import compute_correction
+from rollout_parity.core.readback import read_back
 from rollout_parity.core.metric_names import verl_names
 from rollout_parity.core.ratios import check_shapes
 
@@ -140,13 +141,7 @@ def _read_back(loss, old, cur, mask, side_mask, nonfinite_valid, side, own_kl) -
             log_ratio = (cur.detach().to(f32) - old.to(f32)).clamp(-20.0, 20.0)
             mask_f = mask.to(f32)
             parts.update(k1=(-log_ratio * mask_f).sum(), n_kept=mask_f.sum())
-        pending = side.pending_metrics if side is not None and side.pending_metrics is not None else None
-        vector = torch.stack([p.to(torch.float64) for p in parts.values()])
-        if pending is not None:
-            vector = torch.cat([vector, pending.to(vector.device)])
-        values = vector.tolist()  # the one host sync of the wrapper
-    got = dict(zip(parts, values))
-    return got, (side.finish_metrics(values[len(parts):]) if pending is not None else {})
+    return read_back(parts, side)  # the one host sync of the wrapper
 
 
 def _policy_metric_sums(cfg, got: dict[str, float], has_side: bool, side_metrics: dict[str, float],
