@@ -54,6 +54,7 @@ __all__ = [
     "TrainerScores",
     "trainer_scores",
     "engine_environment",
+    "env_defaults",
     "is_vllm_cpu_build",
     "execution_mode_kwargs",
     "shutdown",
@@ -105,13 +106,19 @@ def engine_environment(threads: int | None = None) -> Iterator[int | None]:
         wanted["VLLM_CPU_KVCACHE_SPACE"] = "1"
     if threads:
         wanted.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=cpu_threads_bind())
+    # the env alone is too late if torch was imported before it was set
+    with env_defaults(wanted), torch_threads(threads):
+        yield threads
+
+
+@contextlib.contextmanager
+def env_defaults(wanted: Mapping[str, str]) -> Iterator[None]:
+    """Each of ``wanted`` set in ``os.environ`` unless the caller set it already; every one restored on exit."""
     saved = {k: os.environ.get(k) for k in wanted}
     for k, v in wanted.items():
         os.environ.setdefault(k, v)
     try:
-        # the env alone is too late if torch was imported before it was set
-        with torch_threads(threads):
-            yield threads
+        yield
     finally:
         for k, v in saved.items():
             if v is None:

@@ -198,3 +198,20 @@ def test_the_saved_sglang_run_reads_back_with_verls_lines_and_names_only():
     vllm = {**report, "engine": "vllm", "engine_name": "vLLM"}  # the same numbers read as a vLLM run
     vllm["recommendation"] = recommend(vllm)
     assert "TRL rollout_correction/k3_kl" in format_watch(vllm)
+
+
+def test_the_environment_picks_sglangs_cpu_path_without_a_gpu_and_restores_what_was_there(monkeypatch):
+    import os
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the caller's value wins
+    with engine_sglang.environment(None) as threads:
+        assert threads is None and os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
+        assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+    assert "SGLANG_USE_CPU_ENGINE" not in os.environ and os.environ["TOKENIZERS_PARALLELISM"] == "true"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with engine_sglang.environment(None):
+        assert "SGLANG_USE_CPU_ENGINE" not in os.environ  # a GPU: SGLang's own device

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import time
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -114,23 +113,13 @@ def environment(threads: Optional[int]) -> Iterator[Optional[int]]:
     imports), quiet tokenizers, torch's threads (None: left alone). Values the caller set win; restored on exit."""
     import torch
 
-    from rollout_parity.grpo_rounds import torch_threads
+    from rollout_parity.grpo_rounds import env_defaults, torch_threads
 
     wanted = {"TOKENIZERS_PARALLELISM": "false"}
     if not torch.cuda.is_available():
         wanted["SGLANG_USE_CPU_ENGINE"] = "1"
-    saved = {k: os.environ.get(k) for k in wanted}
-    for k, v in wanted.items():
-        os.environ.setdefault(k, v)
-    try:
-        with torch_threads(threads):
-            yield threads
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with env_defaults(wanted), torch_threads(threads):
+        yield threads
 
 
 def version() -> Optional[str]:
