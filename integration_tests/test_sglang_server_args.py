@@ -55,6 +55,7 @@ from verl.workers.rollout.sglang_rollout import utils as verl_sglang_utils  # no
 
 from rollout_parity.adapters import verl as adapter  # noqa: E402
 from rollout_parity.adapters.verl import engine as verl_engine  # noqa: E402
+from rollout_parity.engines.sglang import recipe as sglang_recipe  # noqa: E402
 from rollout_parity.engines.vllm.recipe import vllm_parity_kwargs  # noqa: E402
 from rollout_parity.testing.tiny_model import build_tiny_model  # noqa: E402
 
@@ -189,6 +190,9 @@ def built(sglang_fields) -> dict:
 
             with mock.patch.object(verl_engine, "engine_recipe", vllm_recipe):
                 out[name] = verl_server_args(overrides, fields=sglang_fields["fields"], sglang_version=pin)
+        elif name == "hierarchical_cache":  # the adapter refuses it first (test_verl_sglang.py): SGLang's own word
+            with mock.patch.object(sglang_recipe, "refuse_contradictions", lambda *a, **k: None):
+                out[name] = verl_server_args(overrides, fields=sglang_fields["fields"], sglang_version=pin)
         else:
             out[name] = verl_server_args(overrides, fields=sglang_fields["fields"], sglang_version=pin)
     return out
@@ -265,7 +269,7 @@ def test_deterministic_inference_resolves_with_pytorch_sampling(validated, name,
     ("deterministic_torch_native", "resolve",
      r"ValueError: Currently only .* attention backends are supported for deterministic inference, "
      r"but you explicitly specified 'torch_native'"),
-    # the user's hierarchical cache against the recipe's prefix cache off (prefix_cache_policy=off)
+    # the user's hierarchical cache against the recipe's prefix cache off (the adapter refuses it first, by name)
     ("hierarchical_cache", "resolve",
      r"ValueError: The arguments enable-hierarchical-cache and disable-radix-cache are mutually exclusive"),
     # the mutation: vLLM's recipe written for an SGLang rollout is refused at construction

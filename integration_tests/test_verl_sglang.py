@@ -179,3 +179,14 @@ def test_the_doctors_sglang_lines_configure_verls_sglang_rollout():
     assert rollout.name == "sglang"
     assert OmegaConf.to_container(rollout.engine_kwargs.sglang) == sglang_parity_kwargs(fp32_lm_head=True)
     assert not framework_lines(cfg)["verl"].startswith("    actor_rollout_ref.rollout.name")  # vLLM: verl's default
+
+
+def test_a_hierarchical_cache_beside_the_recipes_radix_cache_off_is_refused_before_anything_loads():
+    """SGLang refuses the pair at launch (test_sglang_server_args.py); the adapter names it at configure time."""
+    config = compose_verl(SGLANG, "+rollout_parity.rollout_importance_sampling_mode=token_truncate",
+                          "+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_hierarchical_cache=true")
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.engine_kwargs\.sglang\.enable_hierarchical_cache"
+                                         r"=True needs SGLang's radix cache"):
+        adapter.configure_verl(config)
+    assert OmegaConf.to_container(config.actor_rollout_ref.rollout.engine_kwargs.sglang) == {
+        "enable_hierarchical_cache": True}, "nothing written"

@@ -61,6 +61,17 @@ def test_salt_and_a_contradicting_override_are_refused_by_name():
         sr.sglang_parity_kwargs(disable_overlap_schedule=False)
 
 
+def test_a_radix_cache_extension_is_refused_where_the_recipe_turns_the_cache_off():
+    with pytest.raises(ValueError, match="enable_hierarchical_cache=True needs SGLang's radix cache"):
+        sr.sglang_parity_kwargs(enable_hierarchical_cache=True)
+    cached = sr.sglang_parity_kwargs(prefix_cache_policy="reset", enable_hierarchical_cache=True)  # the cache is on
+    assert cached["enable_hierarchical_cache"] is True and cached["disable_radix_cache"] is False
+    assert sr.sglang_parity_kwargs(enable_hierarchical_cache=False)["enable_hierarchical_cache"] is False
+    with pytest.raises(ValueError, match=r"^engine_kwargs\.sglang\.enable_hierarchical_cache=1 needs"):
+        sr.refuse_contradictions(sr.sglang_parity_kwargs(), {"enable_hierarchical_cache": 1},
+                                 where="engine_kwargs.sglang.")
+
+
 def test_original_logprobs_are_refused_off_temperature_one():
     sr.refuse_original_logprobs(0.7, env={})
     sr.refuse_original_logprobs(1.0, env={sr.ORIGINAL_LOGPROB_ENV: "1"})

@@ -134,6 +134,10 @@ def refuse_recipe_contradictions(config: Any, cfg: CorrectionConfig, explicit: s
             if mine is not None and mine != theirs:
                 raise ValueError(f"{where}.{name}={mine!r} contradicts the parity recipe "
                                  f"({name.rsplit('.', 1)[-1]}={theirs!r})")
+    if engine == "sglang":
+        from rollout_parity.engines.sglang.recipe import refuse_contradictions
+
+        refuse_contradictions(recipe, given, where=where + ".")
     if engine != "vllm":
         return
     for key in _VLLM_OWN_FIELDS:

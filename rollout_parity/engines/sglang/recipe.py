@@ -28,8 +28,8 @@ from rollout_parity.engines.spec import EngineParityError, normalize_prefix_cach
 
 from .features import installed_sglang_version, require_sglang_feature
 
-__all__ = ["SGLANG_LOGPROBS", "ORIGINAL_LOGPROB_ENV", "RECIPE_SERVER_ARGS", "sglang_parity_kwargs",
-           "refuse_original_logprobs", "describe_engine", "verify_engine"]
+__all__ = ["SGLANG_LOGPROBS", "ORIGINAL_LOGPROB_ENV", "RECIPE_SERVER_ARGS", "NEEDS_RADIX_CACHE", "sglang_parity_kwargs",
+           "refuse_contradictions", "refuse_original_logprobs", "describe_engine", "verify_engine"]
 
 #: What the trainer computes to match SGLang's returned logprobs: the temperature, nothing of top-k/top-p/min-p.
 SGLANG_LOGPROBS = "temperature"
@@ -37,6 +37,10 @@ SGLANG_LOGPROBS = "temperature"
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 #: The server arguments the recipe always pins.
 RECIPE_SERVER_ARGS: dict[str, Any] = {"disable_overlap_schedule": True}
+#: Server arguments that extend the radix cache, so they contradict the recipe's ``disable_radix_cache=True``
+#: (SGLang itself refuses the pair at launch: "enable-hierarchical-cache and disable-radix-cache are mutually
+#: exclusive", read in 0.5.23's ``server_args.py``).
+NEEDS_RADIX_CACHE = ("enable_hierarchical_cache",)
 
 
 def sglang_parity_kwargs(fp32_lm_head: bool = False, prefix_cache_policy: str = "off", *,
@@ -63,7 +67,19 @@ def sglang_parity_kwargs(fp32_lm_head: bool = False, prefix_cache_policy: str = 
         if key in kwargs and value != kwargs[key]:
             raise ValueError(f"{key}={value!r} contradicts the SGLang parity recipe ({key}={kwargs[key]!r}): drop it, "
                              "or turn off the option that asks for it")
+    refuse_contradictions(kwargs, overrides)
     return {**kwargs, **overrides}
+
+
+def refuse_contradictions(recipe: Mapping[str, Any], given: Mapping[str, Any], where: str = "") -> None:
+    """A server argument in ``given`` that cannot run beside the ``recipe``'s, by name (``where``: the path the
+    user wrote it under, e.g. verl's ``actor_rollout_ref.rollout.engine_kwargs.sglang.``)."""
+    if recipe.get("disable_radix_cache"):
+        for key in NEEDS_RADIX_CACHE:
+            if given.get(key):
+                raise ValueError(f"{where}{key}={given[key]!r} needs SGLang's radix cache, which the parity recipe "
+                                 "turns off (disable_radix_cache=True: a cache hit may reuse KV computed before a "
+                                 f"weight update; SGLang refuses the pair at launch): drop {key}")
 
 
 def refuse_original_logprobs(temperature: Optional[float], env: Optional[Mapping[str, str]] = None) -> None:
