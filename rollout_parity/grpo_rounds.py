@@ -53,6 +53,7 @@ __all__ = [
     "throughput_summary",
     "TrainerScores",
     "trainer_scores",
+    "padded_logprobs",
     "engine_environment",
     "env_defaults",
     "is_vllm_cpu_build",
@@ -438,6 +439,17 @@ def throughput_summary(batches: Mapping[str, Sequence[Batch]], baseline: str | N
 
 
 # ----------------------------------------------------------------------------- trainer side
+
+
+def padded_logprobs(logprobs: Sequence[Sequence[float]], width: int) -> Any:
+    """An engine's per-token logprobs (one list per completion) as a ``(B, width)`` float32 tensor, right-padded
+    with zeros: the layout of :class:`TrainerScores`, to subtract from the trainer's."""
+    import torch
+
+    out = torch.zeros(len(logprobs), width, dtype=torch.float32)
+    for r, lps in enumerate(logprobs):
+        out[r, : len(lps)] = torch.tensor(list(lps), dtype=torch.float32)
+    return out
 
 
 @dataclass

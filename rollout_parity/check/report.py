@@ -18,10 +18,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["CORRUPT_ENV", "Check", "CheckResult", "FrameworkReport", "corrupt", "corrupt_target",
+__all__ = ["CORRUPT_ENV", "ENGINE_PROBE_MAX_DELTA", "Check", "CheckResult", "FrameworkReport", "corrupt", "corrupt_target",
            "extra_range", "in_range", "format_table", "report_dict", "failed"]
 
 CORRUPT_ENV = "ROLLOUT_PARITY_CHECK_CORRUPT"
+#: Mean |trainer - engine| logprob per token an engine probe accepts, vLLM's and SGLang's alike (the same bf16 body
+#: and fp32 head on both sides): 2x the worst recipe row the doctor measured on CPU.
+ENGINE_PROBE_MAX_DELTA = 4e-3
 _MAX_DETAILS = 3  # failing cases listed per check
 
 

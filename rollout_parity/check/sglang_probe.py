@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any, Callable, Optional
 
-from rollout_parity.check.report import Check, FrameworkReport, extra_range
+from rollout_parity.check.report import ENGINE_PROBE_MAX_DELTA, Check, FrameworkReport, extra_range
 
 __all__ = ["SGLANG_CHECKS", "MAX_DELTA", "SAMPLING", "run_sglang_probe", "run", "probe_engine_kwargs"]
 
@@ -31,8 +31,8 @@ SGLANG_CHECKS = {
     "sglang/logprobs": "mean |trainer - engine| logprob, T=0.7",
     "sglang/sampler": "same, top-k/top-p sampling, tempered logprobs",
 }
-#: Mean |delta| per token the probe accepts: the vLLM probe's bound (the same bf16 body, fp32 head on both sides).
-MAX_DELTA = 4e-3
+#: Mean |delta| per token the probe accepts (the engine probes' shared bound).
+MAX_DELTA = ENGINE_PROBE_MAX_DELTA
 SAMPLING = {"sglang/logprobs": {"temperature": 0.7}, "sglang/sampler": {"temperature": 0.7, "top_k": 40, "top_p": 0.9}}
 
 
@@ -76,7 +76,7 @@ def _probe(report, model, max_delta, n_prompts, samples, max_tokens, gpu_memory_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout_parity.engines.sglang.recipe import describe_engine, verify_engine
-    from rollout_parity.grpo_rounds import grpo_prompt, trainer_scores
+    from rollout_parity.grpo_rounds import grpo_prompt, padded_logprobs, trainer_scores
 
     if model is None:
         from rollout_parity.testing.tiny_model import build_tiny_model
@@ -108,10 +108,7 @@ def _probe(report, model, max_delta, n_prompts, samples, max_tokens, gpu_memory_
         ids, completions, logprobs = rollouts[name]
         tempered = {"temperature": sampling["temperature"]}  # what SGLang's logprobs are, whatever its sampler
         scores = trainer_scores(trainer, ids, completions, fp32_head=True, sampling=tempered)
-        engine_lp = torch.zeros_like(scores.processed)
-        for r, lps in enumerate(logprobs):
-            engine_lp[r, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        delta = (scores.processed - engine_lp)[scores.mask.bool()].abs()
+        delta = (scores.processed - padded_logprobs(logprobs, scores.processed.shape[1]))[scores.mask.bool()].abs()
         check = Check(name, SGLANG_CHECKS[name], tolerance=max_delta)
         check.close("mean |delta|", "mean |trainer - engine|", float(delta.mean()), 0.0, atol=max_delta)
         report.notes.append(f"{name}: {delta.numel()} tokens, mean |delta| {float(delta.mean()):.2e}, "

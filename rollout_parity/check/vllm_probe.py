@@ -24,7 +24,7 @@ import math
 import time
 from typing import Any, Callable, Optional
 
-from rollout_parity.check.report import Check, FrameworkReport, extra_range
+from rollout_parity.check.report import ENGINE_PROBE_MAX_DELTA, Check, FrameworkReport, extra_range
 
 __all__ = ["VLLM_CHECKS", "MAX_DELTA", "SAMPLING", "run_vllm_probe", "run", "probe_engine_kwargs"]
 
@@ -33,8 +33,8 @@ VLLM_CHECKS = {
     "vllm/logprobs": "mean |trainer - engine| logprob, T=0.7",
     "vllm/sampler": "same, top-k/top-p, sampler-aware trainer",
 }
-#: Mean |delta| per token the probe accepts (2x the worst recipe row the doctor measured on CPU).
-MAX_DELTA = 4e-3
+#: Mean |delta| per token the probe accepts (the engine probes' shared bound).
+MAX_DELTA = ENGINE_PROBE_MAX_DELTA
 SAMPLING = {"vllm/logprobs": {"temperature": 0.7}, "vllm/sampler": {"temperature": 0.7, "top_k": 40, "top_p": 0.9}}
 _MAX_OUTSIDE = 0.01
 
@@ -69,7 +69,7 @@ def _probe(report, model, max_delta, n_prompts, samples, max_tokens, gpu_memory_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout_parity.engines.vllm.recipe import describe_engine, verify_engine
-    from rollout_parity.grpo_rounds import Config, grpo_prompt, run_rounds, shutdown, trainer_scores
+    from rollout_parity.grpo_rounds import Config, grpo_prompt, padded_logprobs, run_rounds, shutdown, trainer_scores
 
     if model is None:
         from rollout_parity.testing.tiny_model import build_tiny_model
@@ -101,10 +101,7 @@ def _probe(report, model, max_delta, n_prompts, samples, max_tokens, gpu_memory_
     for name, sampling in SAMPLING.items():
         batch = batches[name][0]
         scores = trainer_scores(trainer, batch.prompts, batch.completions, fp32_head=True, sampling=sampling)
-        engine = torch.zeros_like(scores.processed)
-        for r, lps in enumerate(batch.logprobs):
-            engine[r, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        delta = (scores.processed - engine)[scores.mask.bool()]
+        delta = (scores.processed - padded_logprobs(batch.logprobs, scores.processed.shape[1]))[scores.mask.bool()]
         finite = delta[torch.isfinite(delta)].abs()
         check = Check(name, VLLM_CHECKS[name], tolerance=max_delta)
         check.close("mean |delta|", "mean |trainer - engine|", float(finite.mean()), 0.0, atol=max_delta)

@@ -325,7 +325,7 @@ def _rows_report(specs: list[RowSpec], cfg: Any, scores: Mapping[tuple[str, bool
     """Each row's metrics, its per-token |delta| (for the plot), and its (pi_old, pi_rollout, mask) tensors."""
     import torch
 
-    from rollout_parity.grpo_rounds import throughput_summary
+    from rollout_parity.grpo_rounds import padded_logprobs, throughput_summary
 
     batches = sampled["batches"]
     summary = throughput_summary(batches, baseline="a" if "a" in batches else None)
@@ -336,7 +336,7 @@ def _rows_report(specs: list[RowSpec], cfg: Any, scores: Mapping[tuple[str, bool
         parts = scores[_view(spec)]
         trainer_lp = _stack([getattr(p, spec.trainer_view) for p in parts])
         mask = _stack([p.mask for p in parts])
-        rollout_lp = _stack([_rollout_tensor(b.logprobs, p.mask.shape[1]) for b, p in zip(batches[spec.config], parts)])
+        rollout_lp = _stack([padded_logprobs(b.logprobs, p.mask.shape[1]) for b, p in zip(batches[spec.config], parts)])
         outside = _stack([p.outside.float() for p in parts]) if spec.trainer_view == "processed" else None
         rows.append(_row(spec, cfg, trainer_lp, rollout_lp, mask, parts, batches[spec.config], summary[spec.config],
                          sampled["resolved"][table.configs[spec.config][0]], sampled["held"][spec.name], outside,
@@ -397,15 +397,6 @@ def _score(trainer: Any, batch: Any, fp32: bool, sampling: Mapping[str, Any], op
                           batch_size=opts.trainer_batch)
 
 
-def _rollout_tensor(logprobs: list[list[float]], width: int):
-    import torch
-
-    out = torch.zeros(len(logprobs), width, dtype=torch.float32)
-    for r, lps in enumerate(logprobs):
-        out[r, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    return out
-
-
 def _stack(parts: list[Any]):
     """Concatenate (B_i, T_i) tensors along B, right-padding T with zeros."""
     import torch
@@ -417,7 +408,9 @@ def _stack(parts: list[Any]):
 def _abs_deltas(trainer_lp: Any, mask: Any, logprobs: list[list[float]]) -> list[float]:
     import torch
 
-    rollout = _rollout_tensor(logprobs, trainer_lp.shape[1])
+    from rollout_parity.grpo_rounds import padded_logprobs
+
+    rollout = padded_logprobs(logprobs, trainer_lp.shape[1])
     d = (trainer_lp - rollout)[mask.bool()]
     return d.abs()[torch.isfinite(d)].tolist()
 
@@ -428,6 +421,7 @@ def _row(spec: RowSpec, cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any, p
     import torch
 
     from rollout_parity.core.correction import compute_correction
+    from rollout_parity.grpo_rounds import padded_logprobs
 
     out = compute_correction(cfg, old_logprobs=trainer_lp, rollout_logprobs=rollout_lp, response_mask=mask,
                              with_metrics=True)
@@ -474,7 +468,7 @@ def _row(spec: RowSpec, cfg: Any, trainer_lp: Any, rollout_lp: Any, mask: Any, p
     per_version = []
     for part, b in zip(parts, batches):
         lp = getattr(part, spec.trainer_view)
-        dv = (lp - _rollout_tensor(b.logprobs, lp.shape[1]))[part.mask.bool()]
+        dv = (lp - padded_logprobs(b.logprobs, lp.shape[1]))[part.mask.bool()]
         dv = dv[torch.isfinite(dv)].abs()
         per_version.append(float(dv.mean()) if dv.numel() else float("nan"))
     row["delta_abs_mean_versions"] = per_version  # a stale cache shows as growth after version 0
