@@ -224,8 +224,9 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
         out.append(f"  {s['step']:<54s} {s['rows']:<24s} {s['before']:.2e} -> {s['after']:.2e}  "
                    f"({s['factor']:.1f}x, {verdict})")
     rows = {r["row"]: r for r in report["rows"]}
-    engine = report.get("engine", "vllm")
-    if "s/full-vocab" in rows and engine == "sglang":
+    from rollout_parity.doctor.rows import engine_rows
+
+    if "s/full-vocab" in rows and "s/full-vocab" in engine_rows(report.get("engine", "vllm")).parity_rows:
         r = rows["s/full-vocab"]
         out.append(f"  with {report['sampling']['truncating']}, SGLang returns the full tempered distribution's logprobs "
                    f"and the trainer computes the same (s/full-vocab, mean |delta| {r['delta_abs_mean']:.2e}): no "
@@ -263,8 +264,8 @@ def format_recommendation(report: Mapping[str, Any]) -> str:
     flags = ", ".join(f"{k}={v}" for k, v in rec["flags"].items())
     out.append(f"flags to add: {flags}")
     lines = rec["lines"]
-    if engine != "vllm":
-        name = report.get("engine_name", engine)
+    if set(lines) == {"verl"}:  # an engine TRL and our NeMo RL adapter do not roll out with
+        name = report.get("engine_name", report.get("engine"))
         out += ["", f"verl with {name} as the rollout (add to python -m verl.trainer.main_ppo ...):", lines["verl"]]
         out += [f"TRL, NeMo RL: no lines for {name} ({NO_LINES['trl']}; {NO_LINES['nemo_rl']}): run the doctor on "
                 "vLLM for theirs"]
